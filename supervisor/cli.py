@@ -1,0 +1,138 @@
+"""The `resilient` command: one short function per subcommand; the work lives in supervisor.commands.
+
+Errors the user can fix arrive as ResilientError and leave as one line on stderr with the contract's exit
+code (or as JSON on stdout under --json). RESILIENT_DEBUG=1 shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Optional
+
+import typer
+
+from supervisor import __version__, render
+from supervisor.errors import ExitCode, ResilientError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Keep long distributed PyTorch training jobs alive.",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"resilient {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Optional[bool] = typer.Option(  # noqa: UP045 (typer needs Optional on 3.10)
+        None, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Keep long distributed PyTorch training jobs alive."""
+
+
+def _guard(as_json: bool, fn: Callable[[], int]) -> None:
+    """Run a command body; turn ResilientError into its exit code and one clear line."""
+    try:
+        code = fn()
+    except ResilientError as e:
+        if os.environ.get("RESILIENT_DEBUG") == "1":
+            raise
+        if as_json:
+            render.print_json({"error": e.message, "exit_code": int(e.exit_code)})
+        else:
+            render.err.print(f"resilient: {e.message}", markup=False, soft_wrap=True)
+        raise typer.Exit(int(e.exit_code)) from None
+    raise typer.Exit(int(code))
+
+
+TARGET = typer.Argument(None, help="A job file, run dir or checkpoint root (default: the current folder).")
+JSON = typer.Option(False, "--json", help="Print JSON on stdout.")
+
+
+@app.command()
+def run(
+    job: str = typer.Argument(..., help="The job file (YAML)."),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Same as --set run_dir=DIR."),  # noqa: UP045
+    set_: list[str] = typer.Option([], "--set", help="Override a job key: --set checkpoint.keep=5."),
+    node: Optional[str] = typer.Option(  # noqa: UP045
+        None, "--node", help="This node's name when several nodes share the run dir (default: host name)."),
+) -> None:
+    """Start the job, or resume it if its run dir already holds progress; supervise it to the end."""
+
+    def body() -> int:
+        from supervisor.commands import run as run_cmd
+
+        overrides = list(set_) + ([f"run_dir={run_dir}"] if run_dir is not None else [])
+        return run_cmd.main(job, overrides, node)
+
+    _guard(False, body)
+
+
+@app.command()
+def status(
+    target: Optional[str] = TARGET,  # noqa: UP045
+    as_json: bool = JSON,
+    watch: bool = typer.Option(False, "--watch", help="Keep refreshing until the run ends (Ctrl-C to leave)."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Also draw the run's timeline to this PNG."),  # noqa: UP045
+) -> None:
+    """The state of a run: live or finished."""
+
+    def body() -> int:
+        from supervisor.commands import status as status_cmd
+
+        return status_cmd.main(target, as_json, watch, plot=plot)
+
+    _guard(as_json, body)
+
+
+@app.command("inspect-checkpoint")
+def inspect_checkpoint(
+    target: Optional[str] = typer.Argument(  # noqa: UP045
+        None, help="A job file, run dir, checkpoint root or one checkpoint folder (default: here)."),
+    step: Optional[int] = typer.Option(None, "--step", help="Only this step."),  # noqa: UP045
+    verify: bool = typer.Option(False, "--verify", help="Re-read every byte against the recorded checksums."),
+    as_json: bool = JSON,
+) -> None:
+    """List checkpoints, each valid / incomplete / corrupt with the reason."""
+
+    def body() -> int:
+        from supervisor.commands import inspect as inspect_cmd
+
+        return inspect_cmd.main(target, step, verify, as_json)
+
+    _guard(as_json, body)
+
+
+@app.command()
+def gc(
+    target: Optional[str] = TARGET,  # noqa: UP045
+    keep: int = typer.Option(..., "--keep", help="How many of the newest valid checkpoints to keep (≥ 1)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be removed; remove nothing."),
+    as_json: bool = JSON,
+) -> None:
+    """Keep the N newest valid checkpoints; delete the rest and abandoned partial saves."""
+
+    def body() -> int:
+        from supervisor.commands import gc as gc_cmd
+
+        return gc_cmd.main(target, keep, dry_run, as_json)
+
+    _guard(as_json, body)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(ExitCode.SIGINT)

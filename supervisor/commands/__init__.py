@@ -1,0 +1,1 @@
+"""One module per subcommand; each exposes `main(...) -> exit code` and builds a result it renders."""

@@ -1,0 +1,156 @@
+"""`resilient status`: the state of a run, live or finished, from the state files in its run dir."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from supervisor import layout, lock, render, state, targets
+from supervisor.errors import ExitCode, UsageError
+from supervisor.state import RunRecord, RunState
+
+
+@dataclass
+class NodeStatus:
+    record: RunRecord
+    node_dir: Path
+    supervisor_alive: bool
+
+    @property
+    def effective_state(self) -> RunState:
+        # A supervisor killed with -9 never writes its final state; its lock says it is gone.
+        if not self.record.state.final and not self.supervisor_alive:
+            return RunState.STOPPED
+        return self.record.state
+
+    def ranks(self, now: float) -> list[dict[str, Any]]:
+        out = []
+        for r in self.record.ranks:
+            r = dict(r)
+            if r.get("heartbeat_at") is not None:
+                r["heartbeat_age_s"] = round(max(0.0, now - r["heartbeat_at"]), 2)
+            if not self.supervisor_alive:
+                r["alive"] = False
+            out.append(r)
+        return out
+
+
+@dataclass
+class StatusResult:
+    run_dir: Path
+    nodes: list[NodeStatus]
+    now: float
+
+    @property
+    def primary(self) -> NodeStatus:
+        return max(self.nodes, key=lambda n: n.record.updated_at)
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.primary
+        rec = p.record
+        d = rec.to_dict()
+        d.pop("schema_version", None)
+        d.update(
+            state=p.effective_state.value,
+            recorded_state=rec.state.value,
+            supervisor_alive=p.supervisor_alive,
+            ranks=[r for n in self.nodes for r in n.ranks(self.now)],
+            run_dir=str(self.run_dir),
+        )
+        if len(self.nodes) > 1 or rec.node is not None:
+            d["nodes"] = [{"node": n.record.node, "state": n.effective_state.value,
+                           "supervisor_alive": n.supervisor_alive, "attempt": n.record.attempt,
+                           "restarts": n.record.restarts, "step": n.record.step,
+                           "history": [h.to_dict() for h in n.record.history]} for n in self.nodes]
+        return d
+
+    def renderable(self) -> Group:
+        p = self.primary
+        rec = p.record
+        st = p.effective_state.value
+        lines = [Text.from_markup(
+            f"[bold]{rec.name}[/] — {render.styled(st)}  attempt {rec.attempt}, "
+            f"{rec.restarts} of {rec.max_restarts} restarts used")]
+        sup = rec.supervisor
+        alive = "alive" if p.supervisor_alive else "[red]not running[/]"
+        lines.append(Text.from_markup(
+            f"run dir {self.run_dir}  supervisor pid {sup.get('pid', '-')} on {sup.get('host', '-')} ({alive})"))
+        gp = f"{rec.goodput:.1%}" if rec.goodput is not None else "-"
+        lines.append(Text.from_markup(
+            f"step {rec.step if rec.step is not None else '-'}  last valid checkpoint "
+            f"{rec.last_checkpoint_step if rec.last_checkpoint_step is not None else '-'}  goodput {gp}"))
+        if rec.checkpoint_interval:
+            ci = rec.checkpoint_interval
+            lines.append(Text(f"checkpoint interval {ci.get('steps')} steps ({ci.get('why', '')})"))
+        if rec.message and p.effective_state in (RunState.FAILED, RunState.STOPPED):
+            lines.append(Text(rec.message, style="red" if p.effective_state is RunState.FAILED else ""))
+        ranks = Table(box=None, pad_edge=False, title="ranks", title_justify="left")
+        for col in ("NODE", "RANK", "PID", "STEP", "PHASE", "HEARTBEAT", "ALIVE", "NOTE"):
+            ranks.add_column(col)
+        for n in self.nodes:
+            for r in n.ranks(self.now):
+                ranks.add_row(str(r.get("node") or n.record.node or "-"), str(r.get("rank")), str(r.get("pid")),
+                              str(r.get("step", "-")), str(r.get("phase", "-")),
+                              render.human_duration(r.get("heartbeat_age_s")) + " ago",
+                              "yes" if r.get("alive") else "[red]no[/]", r.get("note") or "")
+        hist = Table(box=None, pad_edge=False, title="history", title_justify="left")
+        for col in ("ATTEMPT", "STARTED", "ENDED", "REASON", "RANK", "STEP@FAIL", "RESUMED FROM", "DETAIL"):
+            hist.add_column(col)
+        for n in self.nodes:
+            for h in n.record.history:
+                hist.add_row(str(h.attempt), render.local_time(h.started_at), render.local_time(h.ended_at),
+                             h.reason or ("running" if h.ended_at is None else "-"),
+                             "-" if h.failed_rank is None else str(h.failed_rank),
+                             "-" if h.step_at_failure is None else str(h.step_at_failure),
+                             "-" if h.resumed_from_step is None else str(h.resumed_from_step),
+                             h.detail or "")
+        parts: list[Any] = [*lines]
+        if self.nodes and any(n.record.ranks for n in self.nodes):
+            parts.append(ranks)
+        if any(n.record.history for n in self.nodes):
+            parts.append(hist)
+        return Group(*parts)
+
+
+def collect(target: str | None) -> StatusResult:
+    t = targets.resolve(target)
+    run_dir = t.run_dir
+    files = layout.state_files(run_dir) if run_dir is not None else []
+    if not files:
+        where = run_dir or t.checkpoint_root
+        raise UsageError(f"{where}: no run here (no state file); start one with `resilient run JOB.yaml`.")
+    nodes = []
+    for f in files:
+        try:
+            rec = state.read(f)
+        except state.StateFileError as e:
+            raise UsageError(f"{e}; was it written by a newer resilient?") from None
+        nodes.append(NodeStatus(rec, f.parent, lock.holder(f.parent) is not None))
+    return StatusResult(run_dir, nodes, time.time())
+
+
+def main(target: str | None, as_json: bool, watch: bool, *, plot: str | None = None,
+         interval_s: float = 1.0) -> int:
+    result = collect(target)
+    if plot is not None:
+        raise UsageError("--plot is not available yet.")
+    if as_json:
+        render.print_json(result.to_json())
+        return ExitCode.OK
+    if not watch:
+        render.out.print(result.renderable())
+        return ExitCode.OK
+    from rich.live import Live
+
+    with Live(result.renderable(), console=render.out, refresh_per_second=4) as live:
+        while not result.primary.effective_state.final:
+            time.sleep(interval_s)
+            result = collect(target)
+            live.update(result.renderable())
+    return ExitCode.OK

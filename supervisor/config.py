@@ -1,0 +1,617 @@
+"""The job file: one frozen dataclass per section, and the single loader that builds them.
+
+`load_job` is the only place that reads YAML. It rejects unknown keys, wrong types and out-of-range values
+with one sentence naming the file, the line and the key; it normalises durations to float seconds and
+relative paths to absolute ones. Nothing past it sees a raw dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from supervisor.errors import ConfigError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+NNODES_RANGE_RE = re.compile(r"^(\d+):(\d+)$")
+DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")
+DURATION_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
+NPROC_WORDS = ("auto", "cpu", "gpu")
+VERIFY_MODES = ("size", "checksum")
+
+
+@dataclass(frozen=True)
+class EntrypointConfig:
+    """What torchrun starts on every rank."""
+
+    module: str | None = None
+    """Run as `torchrun ... -m MODULE`; exclusive with `script`."""
+    script: Path | None = None
+    """Run as `torchrun ... SCRIPT`; relative paths resolve against the job file's folder."""
+    args: tuple[str, ...] = ()
+    """Passed through to the entry point unchanged."""
+
+
+@dataclass(frozen=True)
+class RdzvConfig:
+    """torchrun's rendezvous: how the nodes of one job find each other."""
+
+    backend: str = "c10d"
+    """One of c10d, etcd, etcd-v2, static."""
+    endpoint: str | None = None
+    """HOST:PORT of the store. With one node and no endpoint, a free loopback port is chosen per launch;
+    with several nodes it is required."""
+    id: str = ""
+    """The rendezvous id; defaults to the job name."""
+    conf: Mapping[str, str] = field(default_factory=dict)
+    """Extra `--rdzv-conf` entries, e.g. {last_call_timeout: 5, join_timeout: 600}."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often the entry point saves, and what the supervisor keeps."""
+
+    dir: Path = Path()
+    """Checkpoint root; defaults to <run_dir>/checkpoints."""
+    interval_steps: int | None = 50
+    """Save every N steps; None means "auto" (Young/Daly from measured save cost and failure rate)."""
+    keep: int = 3
+    """Retention: the newest `keep` valid checkpoints survive each new commit."""
+    async_save: bool = True
+    """Background persistence: training blocks only for the in-memory snapshot."""
+    verify: str = "size"
+    """Check before each relaunch: "size" (manifest sizes) or "checksum" (every byte)."""
+    expected_mtbf_s: float | None = None
+    """Prior for the mean time between failures, used by "auto" until failures are observed."""
+    min_interval_steps: int = 1
+    """Lower bound for "auto"."""
+    max_interval_steps: int = 10_000
+    """Upper bound for "auto"."""
+
+    @property
+    def auto(self) -> bool:
+        return self.interval_steps is None
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    """The supervisor's restart policy."""
+
+    max_restarts: int = 10
+    """Relaunches allowed over the whole run (preemptions the supervisor itself asked for do not count)."""
+    backoff_s: float = 1.0
+    """Wait before a relaunch; doubles per consecutive failure without progress."""
+    max_backoff_s: float = 60.0
+    """Ceiling for the doubling backoff."""
+    crash_loop_attempts: int = 3
+    """Consecutive failed attempts without a new valid checkpoint that make a crash loop."""
+
+
+@dataclass(frozen=True)
+class HeartbeatConfig:
+    """Rank liveness: how often ranks beat and how long silence is tolerated."""
+
+    interval_s: float = 1.0
+    """Ranks write their heartbeat at most this often."""
+    timeout_s: float = 60.0
+    """A rank silent, or training without progress, this long is hung."""
+    startup_timeout_s: float = 600.0
+    """Allowance before the first heartbeat (imports, process-group setup, loading the checkpoint)."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A whole job file, validated and normalised."""
+
+    name: str
+    """Letters, digits, '.', '_', '-'."""
+    run_dir: Path
+    """Absolute; default runs/<name> beside the job file."""
+    entrypoint: EntrypointConfig
+    nnodes: str = "1"
+    """"N" or "MIN:MAX" (elastic membership), exactly as torchrun takes it."""
+    nproc_per_node: str = "1"
+    """An integer, or auto / cpu / gpu as torchrun takes it."""
+    rdzv: RdzvConfig = field(default_factory=RdzvConfig)
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment for the workers."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    restart: RestartConfig = field(default_factory=RestartConfig)
+    heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    collective_timeout_s: float = 600.0
+    """Handed to init_process_group(timeout=...)."""
+    stop_timeout_s: float = 30.0
+    """After SIGTERM, how long ranks get to checkpoint and exit before SIGKILL."""
+    source: Path | None = None
+    """The job file this came from (None when built in code)."""
+
+    @property
+    def nnodes_range(self) -> tuple[int, int]:
+        lo, _, hi = self.nnodes.partition(":")
+        return int(lo), int(hi or lo)
+
+    @property
+    def elastic(self) -> bool:
+        lo, hi = self.nnodes_range
+        return lo != hi
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy (paths as strings), stored in the run dir for the light commands."""
+        return _jsonable(dataclasses.asdict(self))
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# Located values: the YAML tree with each value's line, so every error can name it.
+
+
+@dataclass
+class _Loc:
+    value: Any  # dict[str, _Loc] | list[_Loc] | scalar
+    where: str  # "job.yaml:12" or "--set a.b=c"
+
+
+def _locate(node: yaml.Node, path: str, constructor: yaml.constructor.SafeConstructor) -> _Loc:
+    where = f"{path}:{node.start_mark.line + 1}"
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, _Loc] = {}
+        for key_node, value_node in node.value:
+            key = constructor.construct_object(key_node, deep=True)
+            key_where = f"{path}:{key_node.start_mark.line + 1}"
+            if not isinstance(key, str):
+                raise ConfigError(f"{key_where}: key {key!r} is not a string; quote it or remove it.")
+            if key in out:
+                raise ConfigError(f"{key_where}: duplicate key {key!r}; keep only one of them.")
+            loc = _locate(value_node, path, constructor)
+            if loc.value is None or isinstance(loc.value, (dict, list)):
+                loc.where = key_where  # a section's errors point at its key, not its first child
+            out[key] = loc
+        return _Loc(out, where)
+    if isinstance(node, yaml.SequenceNode):
+        return _Loc([_locate(n, path, constructor) for n in node.value], where)
+    # YAML 1.1 reads an unquoted 1:4 as the base-60 integer 64; "MIN:MAX" must stay a string.
+    if node.style is None and NNODES_RANGE_RE.match(node.value):
+        return _Loc(node.value, where)
+    return _Loc(constructor.construct_object(node, deep=True), where)
+
+
+def _parse_yaml(text: str, path: str) -> _Loc:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}{line}: not valid YAML ({problem}); fix the syntax there.") from None
+    if node is None:
+        raise ConfigError(f"{path}:1: the job file is empty; it needs at least `name` and `entrypoint`.")
+    constructor = yaml.constructor.SafeConstructor()
+    try:
+        root = _locate(node, path, constructor)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e}); fix the syntax there.") from None
+    if not isinstance(root.value, dict):
+        raise ConfigError(f"{root.where}: the job file must be a mapping of keys (name: ..., entrypoint: ...).")
+    return root
+
+
+# --------------------------------------------------------------------------------------------------
+# Field checks. Each takes the located value and the dotted key, and returns the normalised value.
+
+Check = Callable[[_Loc, str], Any]
+
+
+def _fail(loc: _Loc, key: str, must: str) -> ConfigError:
+    return ConfigError(f"{loc.where}: {key} must be {must}, got {loc.value!r}.")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(minimum: int) -> Check:
+    def check(loc: _Loc, key: str) -> int:
+        if not isinstance(loc.value, int) or isinstance(loc.value, bool) or loc.value < minimum:
+            raise _fail(loc, key, f"an integer ≥ {minimum}")
+        return loc.value
+
+    return check
+
+
+def _duration(*, positive: bool = True) -> Check:
+    """Seconds as a number, or a string with a unit: 500ms, 30s, 5m, 2h."""
+
+    def check(loc: _Loc, key: str) -> float:
+        v = loc.value
+        seconds: float | None = None
+        if _is_number(v):
+            seconds = float(v)
+        elif isinstance(v, str) and (m := DURATION_RE.match(v)):
+            seconds = float(m.group(1)) * DURATION_UNITS[m.group(2)]
+        if seconds is None or seconds < 0 or (positive and seconds == 0) or seconds != seconds:
+            bound = "> 0" if positive else "≥ 0"
+            raise _fail(loc, key, f"a duration {bound} in seconds (a number, or a string like 30s, 5m, 2h)")
+        return seconds
+
+    return check
+
+
+def _optional(check: Check) -> Check:
+    def optional(loc: _Loc, key: str) -> Any:
+        return None if loc.value is None else check(loc, key)
+
+    return optional
+
+
+def _bool(loc: _Loc, key: str) -> bool:
+    if not isinstance(loc.value, bool):
+        raise _fail(loc, key, "true or false")
+    return loc.value
+
+
+def _choice(choices: Sequence[str]) -> Check:
+    def check(loc: _Loc, key: str) -> str:
+        if loc.value not in choices:
+            raise _fail(loc, key, "one of " + ", ".join(choices))
+        return loc.value
+
+    return check
+
+
+def _string(pattern: re.Pattern[str], described: str) -> Check:
+    def check(loc: _Loc, key: str) -> str:
+        if not isinstance(loc.value, str) or not pattern.match(loc.value):
+            raise _fail(loc, key, described)
+        return loc.value
+
+    return check
+
+
+def _path(loc: _Loc, key: str) -> str:
+    if not isinstance(loc.value, str) or not loc.value.strip():
+        raise _fail(loc, key, "a path (a non-empty string)")
+    return loc.value
+
+
+def _scalar_str(loc: _Loc, key: str) -> str:
+    v = loc.value
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, (str, int, float)):
+        return str(v)
+    raise _fail(loc, key, "a string or number")
+
+
+def _args(loc: _Loc, key: str) -> tuple[str, ...]:
+    if not isinstance(loc.value, list):
+        raise _fail(loc, key, 'a list of strings, e.g. ["--steps", "100"]')
+    return tuple(_scalar_str(item, key) for item in loc.value)
+
+
+def _str_map(key_pattern: re.Pattern[str] | None = None) -> Check:
+    def check(loc: _Loc, key: str) -> dict[str, str]:
+        if loc.value is None:
+            return {}
+        if not isinstance(loc.value, dict):
+            raise _fail(loc, key, "a mapping of names to values")
+        out = {}
+        for name, item in loc.value.items():
+            if key_pattern is not None and not key_pattern.match(name):
+                raise ConfigError(
+                    f"{item.where}: {key}.{name} is not a valid variable name "
+                    "(letters, digits and '_', not starting with a digit)."
+                )
+            out[name] = _scalar_str(item, f"{key}.{name}")
+        return out
+
+    return check
+
+
+def _nnodes(loc: _Loc, key: str) -> str:
+    v = loc.value
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+        return str(v)
+    if isinstance(v, str):
+        if v.isdigit() and int(v) >= 1:
+            return str(int(v))
+        m = NNODES_RANGE_RE.match(v)
+        if m and 1 <= int(m.group(1)) <= int(m.group(2)):
+            return f"{int(m.group(1))}:{int(m.group(2))}"
+    raise _fail(loc, key, 'an integer ≥ 1 or "MIN:MAX" with 1 ≤ MIN ≤ MAX')
+
+
+def _nproc(loc: _Loc, key: str) -> str:
+    v = loc.value
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+        return str(v)
+    if v in NPROC_WORDS:
+        return v
+    raise _fail(loc, key, "an integer ≥ 1 or one of " + ", ".join(NPROC_WORDS))
+
+
+def _endpoint(loc: _Loc, key: str) -> str:
+    v = loc.value
+    if isinstance(v, str):
+        host, sep, port = v.rpartition(":")
+        if sep and host and port.isdigit() and int(port) <= 65535:
+            return v
+    raise _fail(loc, key, 'HOST:PORT, e.g. "127.0.0.1:29400"')
+
+
+def _interval(loc: _Loc, key: str) -> int | None:
+    if loc.value == "auto":
+        return None
+    if isinstance(loc.value, int) and not isinstance(loc.value, bool) and loc.value >= 1:
+        return loc.value
+    raise _fail(loc, key, 'an integer ≥ 1 or "auto"')
+
+
+# The schema: section -> key -> check. A nested dict is a section; its keys are checked the same way.
+SCHEMA: dict[str, Any] = {
+    "name": _string(NAME_RE, "letters, digits, '.', '_' or '-' (no spaces or slashes)"),
+    "run_dir": _path,
+    "entrypoint": {
+        "module": _optional(_string(MODULE_RE, "a dotted Python module name, e.g. train_entry")),
+        "script": _optional(_path),
+        "args": _args,
+    },
+    "nnodes": _nnodes,
+    "nproc_per_node": _nproc,
+    "rdzv": {
+        "backend": _choice(RDZV_BACKENDS),
+        "endpoint": _optional(_endpoint),
+        "id": _optional(_string(NAME_RE, "letters, digits, '.', '_' or '-'")),
+        "conf": _str_map(),
+    },
+    "env": _str_map(ENV_NAME_RE),
+    "checkpoint": {
+        "dir": _optional(_path),
+        "interval_steps": _interval,
+        "keep": _int(1),
+        "async": _bool,
+        "verify": _choice(VERIFY_MODES),
+        "expected_mtbf_s": _optional(_duration()),
+        "min_interval_steps": _int(1),
+        "max_interval_steps": _int(1),
+    },
+    "restart": {
+        "max_restarts": _int(0),
+        "backoff_s": _duration(positive=False),
+        "max_backoff_s": _duration(positive=False),
+        "crash_loop_attempts": _int(1),
+    },
+    "heartbeat": {
+        "interval_s": _duration(),
+        "timeout_s": _duration(),
+        "startup_timeout_s": _duration(),
+    },
+    "collective_timeout_s": _duration(),
+    "stop_timeout_s": _duration(),
+}
+REQUIRED = ("name", "entrypoint")
+
+
+def _allowed(section: Mapping[str, Any]) -> str:
+    return ", ".join(section)
+
+
+def _unknown_key(loc: _Loc, dotted: str, section: Mapping[str, Any]) -> ConfigError:
+    leaf = dotted.rpartition(".")[2]
+    close = difflib.get_close_matches(leaf, list(section), n=1)
+    hint = f'did you mean "{close[0]}"? ' if close else ""
+    parent = dotted.rpartition(".")[0] or "the top level"
+    return ConfigError(
+        f'{loc.where}: unknown key "{dotted}"; {hint}allowed in {parent}: {_allowed(section)}.'
+    )
+
+
+def _check_tree(tree: _Loc, schema: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """Validate a located mapping against `schema`; returns {key: normalised value} for present keys."""
+    out: dict[str, Any] = {}
+    for key, loc in tree.value.items():
+        dotted = f"{prefix}{key}"
+        if key not in schema:
+            raise _unknown_key(loc, dotted, schema)
+        spec = schema[key]
+        if isinstance(spec, dict):
+            if loc.value is None:
+                loc = _Loc({}, loc.where)
+            if not isinstance(loc.value, dict):
+                raise _fail(loc, dotted, f"a mapping with keys {_allowed(spec)}")
+            out[key] = _check_tree(loc, spec, f"{dotted}.")
+        else:
+            out[key] = spec(loc, dotted)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# --set overrides
+
+
+@dataclass(frozen=True)
+class Override:
+    """One `--set KEY=VALUE`, VALUE already parsed as YAML."""
+
+    key: str
+    value: Any
+    text: str
+
+
+def parse_override(text: str) -> Override:
+    """Parse `KEY=VALUE`; VALUE is read as a YAML scalar or list (`10`, `auto`, `[a, b]`, `null`)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f'--set {text}: expected KEY=VALUE with a dotted key, e.g. --set checkpoint.keep=5.')
+    if NNODES_RANGE_RE.match(raw.strip()):
+        return Override(key, raw.strip(), text)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {text}: the value is not valid YAML; quote it.") from None
+    return Override(key, value, text)
+
+
+def _to_loc(value: Any, where: str) -> _Loc:
+    if isinstance(value, dict):
+        return _Loc({str(k): _to_loc(v, where) for k, v in value.items()}, where)
+    if isinstance(value, list):
+        return _Loc([_to_loc(v, where) for v in value], where)
+    return _Loc(value, where)
+
+
+def _apply_override(root: _Loc, ov: Override) -> None:
+    where = f"--set {ov.text}"
+    parts = ov.key.split(".")
+    node, schema = root, SCHEMA
+    for i, part in enumerate(parts):
+        dotted = ".".join(parts[: i + 1])
+        if not isinstance(schema, dict) or part not in schema:
+            section = schema if isinstance(schema, dict) else {}
+            raise _unknown_key(_Loc(None, where), dotted, section)
+        if i == len(parts) - 1:
+            node.value[part] = _to_loc(ov.value, where)
+            return
+        child = node.value.get(part)
+        if child is None or not isinstance(child.value, dict):
+            child = _Loc({}, where)
+            node.value[part] = child
+        node, schema = child, schema[part]
+
+
+# --------------------------------------------------------------------------------------------------
+# The loader
+
+
+def load_job(path: str | os.PathLike, overrides: Sequence[str | Override] = ()) -> JobConfig:
+    """Read, validate and normalise a job file.
+
+    Args:
+        path: the YAML job file.
+        overrides: `--set KEY=VALUE` strings (or parsed `Override`s), applied before validation.
+
+    Returns:
+        The frozen `JobConfig`, with absolute paths.
+
+    Raises:
+        ConfigError: naming the file, the line and the key, for anything that does not validate.
+    """
+    path = Path(path)
+    shown = str(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{shown}: no such job file; check the path.") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{shown}: is a folder, not a job file; pass the .yaml file.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{shown}: cannot read the job file ({e}).") from None
+    root = _parse_yaml(text, shown)
+    for ov in overrides:
+        _apply_override(root, ov if isinstance(ov, Override) else parse_override(ov))
+    return build_job(root, path)
+
+
+def _where(root: _Loc, dotted: str) -> str:
+    """The location of `dotted` (or of its nearest present parent) for a cross-field error."""
+    node = root
+    for part in dotted.split("."):
+        if not isinstance(node.value, dict) or part not in node.value:
+            break
+        node = node.value[part]
+    return node.where
+
+
+def build_job(root: _Loc, path: Path) -> JobConfig:
+    values = _check_tree(root, SCHEMA, "")
+    for key in REQUIRED:
+        if key not in values:
+            raise ConfigError(f"{root.where}: required key {key!r} is missing; add it at the top level.")
+    base = path.resolve().parent
+    name = values["name"]
+
+    def resolve(p: str) -> Path:
+        return (base / os.path.expanduser(p)).resolve()
+
+    ep = values["entrypoint"]
+    ep_where = _where(root, "entrypoint")
+    if (ep.get("module")) and (ep.get("script")):
+        raise ConfigError(f"{ep_where}: entrypoint has both module and script; keep exactly one.")
+    if not ep.get("module") and not ep.get("script"):
+        raise ConfigError(f"{ep_where}: entrypoint needs module (e.g. train_entry) or script (a .py path).")
+    script = resolve(ep["script"]) if ep.get("script") else None
+    if script is not None and not script.is_file():
+        where = _where(root, "entrypoint.script")
+        raise ConfigError(f"{where}: entrypoint.script {ep['script']!r} does not exist (looked at {script}).")
+    entrypoint = EntrypointConfig(module=ep.get("module"), script=script, args=ep.get("args", ()))
+
+    run_dir = resolve(values.get("run_dir") or f"runs/{name}")
+    ck = values.get("checkpoint", {})
+    ck_dir = resolve(ck["dir"]) if ck.get("dir") else run_dir / "checkpoints"
+    ck_fields = {k: v for k, v in ck.items() if k not in ("dir", "async")}
+    checkpoint = CheckpointConfig(dir=ck_dir, async_save=ck.get("async", True), **ck_fields)
+    if checkpoint.min_interval_steps > checkpoint.max_interval_steps:
+        where = _where(root, "checkpoint.min_interval_steps")
+        raise ConfigError(f"{where}: checkpoint.min_interval_steps exceeds checkpoint.max_interval_steps.")
+
+    restart = RestartConfig(**values.get("restart", {}))
+    if restart.max_backoff_s < restart.backoff_s:
+        where = _where(root, "restart.max_backoff_s")
+        raise ConfigError(f"{where}: restart.max_backoff_s must be ≥ restart.backoff_s ({restart.backoff_s}).")
+    heartbeat = HeartbeatConfig(**values.get("heartbeat", {}))
+    if heartbeat.timeout_s <= heartbeat.interval_s:
+        where = _where(root, "heartbeat.timeout_s")
+        raise ConfigError(
+            f"{where}: heartbeat.timeout_s ({heartbeat.timeout_s:g}) must exceed heartbeat.interval_s "
+            f"({heartbeat.interval_s:g}); a few intervals at least."
+        )
+
+    rd = values.get("rdzv", {})
+    rdzv = RdzvConfig(
+        backend=rd.get("backend", "c10d"),
+        endpoint=rd.get("endpoint"),
+        id=rd.get("id") or name,
+        conf=rd.get("conf", {}),
+    )
+    nnodes = values.get("nnodes", "1")
+    if nnodes != "1" and rdzv.endpoint is None:
+        where = _where(root, "nnodes")
+        raise ConfigError(
+            f'{where}: nnodes is {nnodes!r}, so rdzv.endpoint is required (HOST:PORT of the node that '
+            'hosts the store, e.g. "node0:29400").'
+        )
+    return JobConfig(
+        name=name,
+        run_dir=run_dir,
+        entrypoint=entrypoint,
+        nnodes=nnodes,
+        nproc_per_node=values.get("nproc_per_node", "1"),
+        rdzv=rdzv,
+        env=values.get("env", {}),
+        checkpoint=checkpoint,
+        restart=restart,
+        heartbeat=heartbeat,
+        collective_timeout_s=values.get("collective_timeout_s", 600.0),
+        stop_timeout_s=values.get("stop_timeout_s", 30.0),
+        source=path.resolve(),
+    )

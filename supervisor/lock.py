@@ -1,0 +1,82 @@
+"""The run dir lock: one live supervisor per node of a run dir.
+
+An `flock` on `<node dir>/supervisor.lock`; the kernel drops it when the holder dies, however it dies, so
+a stale lock never blocks a restart. The file also records who holds it, for the error message.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from supervisor.errors import RunLockedError
+
+LOCK_FILE = "supervisor.lock"
+
+
+class RunLock:
+    """Exclusive hold on a node dir for the life of this object (or process)."""
+
+    def __init__(self, node_dir: str | os.PathLike):
+        self.path = Path(node_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        """Take the lock or raise RunLockedError naming the holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            who = holder(self.path.parent) or {}
+            raise RunLockedError(
+                f"{self.path.parent} is held by another live supervisor (pid {who.get('pid', '?')} on "
+                f"{who.get('host', '?')}); stop it first, or pick another --run-dir."
+            ) from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def holder(node_dir: str | os.PathLike) -> dict | None:
+    """Who holds the lock of `node_dir` ({"pid", "host", "since"}), or None if nobody does."""
+    path = Path(node_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            try:
+                return json.loads(os.pread(fd, 4096, 0) or b"{}") or {"pid": None}
+            except ValueError:
+                return {"pid": None}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

@@ -1,0 +1,53 @@
+"""Output: one console for humans on stderr/stdout, JSON to stdout only, and the small formatters."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+err = Console(stderr=True, highlight=False)
+out = Console(highlight=False)
+
+STATUS_STYLE = {"valid": "green", "incomplete": "yellow", "corrupt": "red", "succeeded": "green",
+                "running": "cyan", "restarting": "yellow", "failed": "red", "stopped": "magenta",
+                "pending": "dim"}
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def human_duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def local_time(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def styled(word: str) -> str:
+    style = STATUS_STYLE.get(word)
+    return f"[{style}]{word}[/]" if style else word

@@ -1,0 +1,98 @@
+"""Retention: which checkpoint folders `gc` and the supervisor may delete, and deleting them.
+
+Rules: keep the N newest valid checkpoints and never the newest valid one; remove older valid ones and
+invalid folders; remove a partial save only when no live writer can own it (its writer lock is free, and
+either no supervisor holds the run dir or the partial is older than the newest valid checkpoint).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor import store
+from supervisor.store import CheckpointInfo
+
+
+@dataclass(frozen=True)
+class Removal:
+    """One folder to delete, and why."""
+
+    path: Path
+    step: int | None
+    size_bytes: int
+    why: str
+
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {"path": str(self.path), "size_bytes": self.size_bytes, "why": self.why}
+        if self.step is not None:
+            d["step"] = self.step
+        return d
+
+
+@dataclass(frozen=True)
+class Plan:
+    kept: list[CheckpointInfo]
+    remove: list[Removal]
+    spared: list[tuple[CheckpointInfo, str]]  # invalid folders left alone, with the reason
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(r.size_bytes for r in self.remove)
+
+
+def _folder_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive: bool) -> Plan:
+    """Decide what to delete under `root`.
+
+    Args:
+        root: the checkpoint root (for leftover trash folders).
+        infos: `store.scan(root)`, oldest first.
+        keep: how many of the newest valid checkpoints survive; at least 1.
+        owner_alive: a supervisor holds the run dir, so its newest partial save may be live.
+    """
+    if keep < 1:
+        raise ValueError("keep must be at least 1: the newest valid checkpoint is never deleted")
+    valid = [i for i in infos if i.valid]
+    kept = valid[-keep:]
+    newest_valid = kept[-1].step if kept else None
+    kept_paths = {i.path for i in kept}
+    remove: list[Removal] = []
+    spared: list[tuple[CheckpointInfo, str]] = []
+    for info in infos:
+        if info.path in kept_paths:
+            continue
+        older = newest_valid is not None and info.step < newest_valid
+        if info.valid:
+            remove.append(Removal(info.path, info.step, info.size_bytes, f"older than the {keep} newest valid"))
+        elif info.partial:
+            pid = store.writer_alive(info.path)
+            if pid is not None:
+                spared.append((info, f"save in progress (writer pid {pid})"))
+            elif owner_alive and not older:
+                spared.append((info, "a live supervisor may still own this save"))
+            else:
+                remove.append(Removal(info.path, info.step, info.size_bytes, "abandoned partial save"))
+        elif owner_alive and not older:
+            spared.append((info, "newer than the newest valid and the run is live (kept as evidence)"))
+        else:
+            remove.append(Removal(info.path, info.step, info.size_bytes, f"{info.status.value}: {info.reason}"))
+    if root.is_dir():
+        for trash in store.trash_dirs(root):
+            remove.append(Removal(trash, None, _folder_size(trash), "leftover of a superseded checkpoint"))
+    return Plan(kept, remove, spared)
+
+
+def apply(p: Plan) -> int:
+    """Delete what the plan says (invalid folders first, oldest valid last); returns bytes freed."""
+    freed = 0
+    for r in sorted(p.remove, key=lambda r: r.why.startswith("older than")):
+        shutil.rmtree(r.path, ignore_errors=True)
+        if not r.path.exists():
+            freed += r.size_bytes
+    return freed

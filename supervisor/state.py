@@ -1,0 +1,151 @@
+"""The run's lifecycle and the state file the supervisor writes after every event.
+
+Lifecycle (`RunState`), as the supervisor moves through it:
+
+    pending ──launch──▶ running ──attempt failed, retryable──▶ restarting ──relaunch──▶ running
+       │                  │  └──job finished──▶ succeeded
+       │                  └──budget spent / crash loop / non-retryable──▶ failed
+       └──(any) SIGTERM / SIGINT to the supervisor──▶ stopped
+
+`succeeded`, `failed` and `stopped` are final for one `resilient run`; running it again on the same run
+dir starts a new supervisor at `pending` and resumes from the newest valid checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.fsutil import atomic_write_json, read_json
+
+SCHEMA_VERSION = 1
+
+
+class RunState(str, enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def final(self) -> bool:
+        return not TRANSITIONS[self]
+
+
+TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+    RunState.PENDING: frozenset({RunState.RUNNING, RunState.FAILED, RunState.STOPPED}),
+    RunState.RUNNING: frozenset({RunState.RESTARTING, RunState.SUCCEEDED, RunState.FAILED, RunState.STOPPED}),
+    RunState.RESTARTING: frozenset({RunState.RUNNING, RunState.FAILED, RunState.STOPPED}),
+    RunState.SUCCEEDED: frozenset(),
+    RunState.FAILED: frozenset(),
+    RunState.STOPPED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class AttemptRecord:
+    """One launch of torchrun and how it ended."""
+
+    attempt: int
+    started_at: float
+    resumed_from_step: int | None
+    world_size: int | None = None
+    first_step_at: float | None = None
+    ended_at: float | None = None
+    reason: str | None = None  # machine word: worker_exit, worker_signal, hang, ..., or "finished"
+    detail: str | None = None  # the human sentence
+    failed_rank: int | None = None
+    exit_code: int | None = None
+    step_at_failure: int | None = None
+    last_checkpoint_step: int | None = None
+    log_dir: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AttemptRecord:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class RunRecord:
+    """Everything `status` shows about one node's supervisor; serialised to state.json."""
+
+    name: str
+    run_dir: str
+    checkpoint_dir: str
+    node: str | None = None
+    state: RunState = RunState.PENDING
+    supervisor: dict[str, Any] = field(default_factory=dict)
+    attempt: int = 0
+    restarts: int = 0
+    max_restarts: int = 0
+    step: int | None = None
+    last_checkpoint_step: int | None = None
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    history: list[AttemptRecord] = field(default_factory=list)
+    goodput: float | None = None
+    accounting: dict[str, Any] = field(default_factory=dict)
+    checkpoint_interval: dict[str, Any] = field(default_factory=dict)
+    message: str | None = None
+    updated_at: float = 0.0
+
+    def transition(self, new: RunState) -> None:
+        """Move along the lifecycle; an edge not in TRANSITIONS is a bug."""
+        if new is not self.state and new not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"{self.state.value} -> {new.value}")
+        self.state = new
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["schema_version"] = SCHEMA_VERSION
+        d["state"] = self.state.value
+        d["history"] = [h.to_dict() for h in self.history]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunRecord:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["state"] = RunState(kw.get("state", "pending"))
+        kw["history"] = [AttemptRecord.from_dict(h) for h in kw.get("history", [])]
+        return cls(**kw)
+
+
+class StateFileError(ValueError):
+    pass
+
+
+def write(path: Path, record: RunRecord) -> None:
+    record.updated_at = time.time()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Rewritten on every event; losing the newest copy in a power cut costs nothing that the
+    # checkpoints do not hold, so skip the fsyncs.
+    atomic_write_json(path, record.to_dict(), durable=False)
+
+
+def read(path: Path) -> RunRecord:
+    """Read a state file; StateFileError for a file this version cannot read."""
+    try:
+        d = read_json(path)
+    except (OSError, ValueError) as e:
+        raise StateFileError(f"{path}: unreadable ({e})") from None
+    if not isinstance(d, dict) or d.get("schema_version") != SCHEMA_VERSION:
+        version = d.get("schema_version") if isinstance(d, dict) else None
+        raise StateFileError(f"{path}: schema_version {version!r}, this resilient reads {SCHEMA_VERSION}")
+    try:
+        return RunRecord.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise StateFileError(f"{path}: malformed ({e})") from None

@@ -1,0 +1,504 @@
+"""The checkpoint store: the one place that owns the on-disk format, for the supervisor and the writers.
+
+Layout under a checkpoint root::
+
+    step_000000050/                  a committed checkpoint
+        __0_0.distcp  __1_0.distcp  .metadata     data written by DCP (any files, really)
+        COMPLETE.json                the completion marker: manifest of every file, size and checksum
+    step_000000060.partial/          a save in progress, or abandoned; never a checkpoint
+        .writer.lock                 flock-ed by the committing writer while the save is live
+
+Writing protocol (`begin` → every rank writes and `describe_files` its own files → rank 0 `commit`):
+
+1. rank 0 `begin(root, step)` makes a fresh partial folder and holds its writer lock;
+2. every rank writes its data there, fsyncs it, and checksums its own files (`describe_files`);
+3. rank 0 gathers the records and calls `commit`, which checks the folder holds exactly those files,
+   writes the marker last (temp, fsync, rename, fsync of the folder), renames the folder to `step_<N>`
+   and fsyncs the root.
+
+A checkpoint is valid only when its marker parses and every listed file is present with its recorded
+size (and checksum, for a deep check), with nothing unlisted beside them. This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import enum
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor import __version__
+from supervisor.fsutil import atomic_write_bytes, fsync_dir
+
+FORMAT = "resilient-checkpoint"
+SCHEMA_VERSION = 1
+MARKER = "COMPLETE.json"
+WRITER_LOCK = ".writer.lock"
+PARTIAL_SUFFIX = ".partial"
+TRASH_PREFIX = ".trash."
+STEP_RE = re.compile(r"^step_(\d{9})$")
+PARTIAL_RE = re.compile(r"^step_(\d{9})\.partial$")
+CHECKSUM_ALGORITHM = "xxh3_128"  # fastest measured here: bench/checksums.py
+CHUNK = 8 << 20
+
+Progress = Callable[[int], None]
+
+
+class Status(str, enum.Enum):
+    VALID = "valid"
+    INCOMPLETE = "incomplete"
+    CORRUPT = "corrupt"
+
+
+def step_dirname(step: int) -> str:
+    """`step_000000050` for step 50."""
+    if step < 0 or step >= 10**9:
+        raise ValueError(f"step {step} does not fit the 9-digit layout")
+    return f"step_{step:09d}"
+
+
+def partial_dirname(step: int) -> str:
+    return step_dirname(step) + PARTIAL_SUFFIX
+
+
+# --------------------------------------------------------------------------------------------------
+# Checksums
+
+
+def _hasher(algorithm: str) -> Any:
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    if algorithm == "crc32c":
+        import crc32c  # optional: only to verify manifests written with it
+
+        return crc32c.CRC32CHash()
+    if algorithm in ("sha256", "blake2b", "md5"):
+        return hashlib.new(algorithm)
+    raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+
+
+def checksum_file(path: str | os.PathLike, algorithm: str = CHECKSUM_ALGORITHM,
+                  progress: Progress | None = None) -> str:
+    """Hex digest of a whole file, read sequentially in large chunks."""
+    h = _hasher(algorithm)
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        try:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError):
+            pass
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            if progress is not None:
+                progress(n)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# The manifest
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One data file of a checkpoint, relative to its folder."""
+
+    name: str
+    size: int
+    checksum: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The content of the completion marker."""
+
+    step: int
+    world_size: int
+    created_at: float
+    files: tuple[FileRecord, ...]
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+    writer: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "step": self.step,
+            "world_size": self.world_size,
+            "created_at": iso(self.created_at),
+            "created_at_unix": self.created_at,
+            "checksum_algorithm": self.checksum_algorithm,
+            "total_bytes": self.total_bytes,
+            "writer": self.writer,
+            "files": [f.to_dict() for f in self.files],
+            "extra": self.extra,
+        }
+        return (json.dumps(doc, indent=1) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse a marker; raises ValueError with a short reason for anything malformed."""
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"not valid JSON ({e.__class__.__name__})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError("not a resilient completion marker")
+        if doc.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {doc.get('schema_version')!r} is not {SCHEMA_VERSION}")
+        try:
+            files = tuple(FileRecord(str(f["name"]), int(f["size"]), str(f["checksum"]))
+                          for f in doc["files"])
+            manifest = cls(
+                step=int(doc["step"]),
+                world_size=int(doc["world_size"]),
+                created_at=float(doc["created_at_unix"]),
+                files=files,
+                checksum_algorithm=str(doc["checksum_algorithm"]),
+                writer=dict(doc.get("writer", {})),
+                extra=dict(doc.get("extra", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"missing or malformed field ({e})") from None
+        if any(f.name in ("", ".", "..") or "/" in f.name or f.size < 0 for f in files):
+            raise ValueError("lists a file name or size that cannot be right")
+        return manifest
+
+
+def iso(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def writer_versions() -> dict[str, str]:
+    """Versions recorded in each manifest; torch's only if the writer already imported it."""
+    import sys
+
+    versions = {"resilient": __version__, "python": platform.python_version(), "host": socket.gethostname()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        versions["torch"] = str(torch.__version__)
+    return versions
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+def describe_files(folder: str | os.PathLike, names: Iterable[str],
+                   algorithm: str = CHECKSUM_ALGORITHM) -> list[FileRecord]:
+    """Size and checksum of `names` in `folder`: what each rank reports for the files it wrote."""
+    folder = Path(folder)
+    return [FileRecord(n, (folder / n).stat().st_size, checksum_file(folder / n, algorithm))
+            for n in sorted(names)]
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def writer_alive(partial: str | os.PathLike) -> int | None:
+    """The PID recorded by a live writer of this partial folder, or None if no writer holds it."""
+    lock = Path(partial) / WRITER_LOCK
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if _try_lock(fd):
+            return None
+        try:
+            return int(json.loads(os.pread(fd, 4096, 0) or b"{}").get("pid", 0)) or -1
+        except ValueError:
+            return -1
+    finally:
+        os.close(fd)
+
+
+class PartialCheckpoint:
+    """A save in progress: its folder, and the writer lock that tells others it is live.
+
+    Rank 0 creates it with `begin`, every rank writes into `path`, and rank 0 finishes it with `commit`
+    (or `abandon`). Closing without committing releases the lock and leaves an abandoned partial folder
+    that `gc` may remove.
+    """
+
+    def __init__(self, root: Path, step: int, path: Path, lock_fd: int):
+        self.root, self.step, self.path = root, step, path
+        self._lock_fd: int | None = lock_fd
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> PartialCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def commit(self, world_size: int, records: Sequence[FileRecord],
+               extra: dict[str, Any] | None = None, algorithm: str = CHECKSUM_ALGORITHM) -> Path:
+        """Write the marker last and publish the folder as `step_<N>`.
+
+        Args:
+            world_size: ranks that wrote this checkpoint.
+            records: every data file of every rank (rank 0 gathers them).
+            extra: small JSON facts to keep beside the manifest (data position, tokens seen, ...).
+            algorithm: the checksum algorithm the records used.
+
+        Returns:
+            The committed folder.
+
+        Raises:
+            RuntimeError: if the folder does not hold exactly the recorded files at their sizes; nothing
+                is published then.
+        """
+        assert self._lock_fd is not None, "commit after close"
+        names = {r.name for r in records}
+        if len(names) != len(records) or MARKER in names or WRITER_LOCK in names:
+            raise RuntimeError("file records are duplicated or name reserved files")
+        present = {e.name: e.stat().st_size for e in os.scandir(self.path) if e.name != WRITER_LOCK}
+        for r in records:
+            if present.get(r.name) != r.size:
+                raise RuntimeError(f"{r.name}: on disk {present.get(r.name)} bytes, record says {r.size}")
+        if unlisted := sorted(set(present) - names):
+            raise RuntimeError(f"unlisted files in the save folder: {', '.join(unlisted)}")
+        manifest = Manifest(step=self.step, world_size=world_size, created_at=time.time(),
+                            files=tuple(sorted(records, key=lambda r: r.name)),
+                            checksum_algorithm=algorithm, writer=writer_versions(), extra=extra or {})
+        os.unlink(self.path / WRITER_LOCK)
+        fsync_dir(self.path)  # the data files' entries, before the marker that vouches for them
+        atomic_write_bytes(self.path / MARKER, manifest.to_json(), durable=True)
+        final = self.root / step_dirname(self.step)
+        if final.exists():
+            # An older attempt's folder for the same step (invalid, or superseded after a rollback):
+            # move it aside first so the rename below is atomic, then drop it.
+            trash = self.root / f"{TRASH_PREFIX}{final.name}.{time.time_ns()}"
+            os.rename(final, trash)
+            os.rename(self.path, final)
+            fsync_dir(self.root)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(self.path, final)
+            fsync_dir(self.root)
+        self.path = final
+        self.close()
+        return final
+
+    def abandon(self) -> None:
+        """Remove the partial folder (the save failed and will not be committed)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.close()
+
+
+def begin(root: str | os.PathLike, step: int) -> PartialCheckpoint:
+    """Create a fresh partial folder for `step` and take its writer lock (rank 0 only).
+
+    A leftover partial folder for the same step from a dead writer is removed first; one whose writer is
+    still alive is an error (two jobs writing into the same root).
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / partial_dirname(step)
+    if path.exists():
+        pid = writer_alive(path)
+        if pid is not None:
+            raise RuntimeError(f"{path} is being written by a live writer (pid {pid}); "
+                               "two jobs must not share a checkpoint root")
+        shutil.rmtree(path)
+    path.mkdir()
+    fd = os.open(path / WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    if not _try_lock(fd):
+        os.close(fd)
+        raise RuntimeError(f"{path}: another writer took the lock")
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+    fsync_dir(root)
+    return PartialCheckpoint(root, step, path, fd)
+
+
+def partial_path(root: str | os.PathLike, step: int) -> Path:
+    """Where `begin` puts the partial folder of `step`: other ranks write there."""
+    return Path(root) / partial_dirname(step)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading and validation
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What validation found in one folder."""
+
+    step: int
+    path: Path
+    status: Status
+    reason: str
+    size_bytes: int
+    files: int
+    world_size: int | None = None
+    created_at: float | None = None
+    partial: bool = False
+    manifest: Manifest | None = None
+
+    @property
+    def valid(self) -> bool:
+        return self.status is Status.VALID
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "path": str(self.path),
+            "status": self.status.value,
+            "reason": self.reason,
+            "size_bytes": self.size_bytes,
+            "files": self.files,
+            "world_size": self.world_size,
+            "created_at": iso(self.created_at) if self.created_at is not None else None,
+            "partial": self.partial,
+            "checksum_algorithm": self.manifest.checksum_algorithm if self.manifest else None,
+            "extra": self.manifest.extra if self.manifest else {},
+        }
+
+
+def _entries(folder: Path) -> dict[str, os.stat_result]:
+    return {e.name: e.stat(follow_symlinks=False) for e in os.scandir(folder)}
+
+
+def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress | None = None) -> CheckpointInfo:
+    """Validate one checkpoint folder (committed or partial).
+
+    Args:
+        path: a `step_<N>` or `step_<N>.partial` folder.
+        deep: also re-read every byte against the recorded checksums.
+        progress: called with byte counts while reading, for a progress bar.
+    """
+    path = Path(path)
+    m = STEP_RE.match(path.name) or PARTIAL_RE.match(path.name)
+    if m is None:
+        raise ValueError(f"{path.name} is not a checkpoint folder name (step_<9 digits>)")
+    step = int(m.group(1))
+    partial = path.name.endswith(PARTIAL_SUFFIX)
+    try:
+        entries = _entries(path)
+    except OSError as e:
+        return CheckpointInfo(step, path, Status.CORRUPT, f"cannot list the folder ({e.strerror})", 0, 0,
+                              partial=partial)
+    size = sum(st.st_size for st in entries.values())
+    nfiles = sum(1 for n in entries if n not in (MARKER, WRITER_LOCK))
+    mtime = path.stat().st_mtime
+
+    def result(status: Status, reason: str, manifest: Manifest | None = None) -> CheckpointInfo:
+        return CheckpointInfo(step, path, status, reason, size, nfiles,
+                              manifest.world_size if manifest else None,
+                              manifest.created_at if manifest else mtime, partial, manifest)
+
+    if partial:
+        pid = writer_alive(path)
+        if pid is not None:
+            return result(Status.INCOMPLETE, f"save in progress (writer pid {pid} is alive)")
+        return result(Status.INCOMPLETE, "partial save, never committed (its writer is gone)")
+    if MARKER not in entries:
+        return result(Status.INCOMPLETE, "no completion marker: the save never finished")
+    try:
+        manifest = Manifest.from_json((path / MARKER).read_bytes())
+    except ValueError as e:
+        return result(Status.CORRUPT, f"completion marker is unreadable: {e}")
+    except OSError as e:
+        return result(Status.CORRUPT, f"completion marker cannot be read ({e.strerror})")
+    if manifest.step != step:
+        return result(Status.CORRUPT, f"marker says step {manifest.step}, folder is step {step}", manifest)
+    listed = {f.name for f in manifest.files}
+    for f in manifest.files:
+        st = entries.get(f.name)
+        if st is None:
+            return result(Status.CORRUPT, f"{f.name} is missing", manifest)
+        if st.st_size != f.size:
+            how = "truncated" if st.st_size < f.size else "grown"
+            return result(Status.CORRUPT, f"{f.name} is {st.st_size} bytes, manifest says {f.size} ({how})",
+                          manifest)
+    unlisted = sorted(set(entries) - listed - {MARKER})
+    if unlisted:
+        return result(Status.CORRUPT, f"unlisted file {unlisted[0]}" +
+                      (f" and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""), manifest)
+    if deep:
+        for f in manifest.files:
+            try:
+                digest = checksum_file(path / f.name, manifest.checksum_algorithm, progress)
+            except ValueError as e:
+                return result(Status.CORRUPT, f"cannot verify: {e}", manifest)
+            except OSError as e:
+                return result(Status.CORRUPT, f"{f.name} cannot be read ({e.strerror})", manifest)
+            if digest != f.checksum:
+                return result(Status.CORRUPT, f"{f.name} checksum mismatch ({manifest.checksum_algorithm})",
+                              manifest)
+        return result(Status.VALID, f"all {len(manifest.files)} files match their checksums", manifest)
+    return result(Status.VALID, f"marker and all {len(manifest.files)} file sizes match", manifest)
+
+
+def checkpoint_dirs(root: str | os.PathLike) -> list[Path]:
+    """Committed-name and partial folders under `root`, by step (partial after committed), oldest first."""
+    root = Path(root)
+    found = []
+    for e in os.scandir(root):
+        m = STEP_RE.match(e.name) or PARTIAL_RE.match(e.name)
+        if m and e.is_dir(follow_symlinks=False):
+            found.append((int(m.group(1)), e.name.endswith(PARTIAL_SUFFIX), root / e.name))
+    return [p for _, _, p in sorted(found)]
+
+
+def trash_dirs(root: str | os.PathLike) -> list[Path]:
+    """Folders `commit` moved aside and did not get to delete."""
+    return [Path(e.path) for e in os.scandir(root) if e.name.startswith(TRASH_PREFIX) and e.is_dir()]
+
+
+def scan(root: str | os.PathLike, *, deep: bool = False, progress: Progress | None = None) -> list[CheckpointInfo]:
+    """Validate every checkpoint folder under `root`, oldest first."""
+    return [inspect(p, deep=deep, progress=progress) for p in checkpoint_dirs(root)]
+
+
+def latest_valid(root: str | os.PathLike, *, deep: bool = False, below: int | None = None,
+                 progress: Progress | None = None) -> CheckpointInfo | None:
+    """The newest valid checkpoint (optionally below step `below`); never an invalid folder."""
+    if not Path(root).is_dir():
+        return None
+    for p in reversed(checkpoint_dirs(root)):
+        if p.name.endswith(PARTIAL_SUFFIX):
+            continue
+        info = inspect(p, deep=deep, progress=progress)
+        if info.valid and (below is None or info.step < below):
+            return info
+    return None
+
+
+def total_bytes(infos: Iterable[CheckpointInfo]) -> int:
+    return sum(i.size_bytes for i in infos)

@@ -1,0 +1,152 @@
+"""Job files: defaults, normalisation, --set, and the many ways a job file can be wrong."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import load_job, parse_override
+from supervisor.errors import ConfigError
+
+GOOD = """\
+name: tiny-gpt
+entrypoint:
+  module: train_entry
+  args: [--steps, 100, --lr, 3e-4]
+nproc_per_node: 2
+checkpoint:
+  interval_steps: 10
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_defaults_and_normalisation(tmp_path):
+    job = load_job(write(tmp_path, GOOD))
+    assert job.name == "tiny-gpt"
+    assert job.run_dir == (tmp_path / "runs/tiny-gpt").resolve()
+    assert job.checkpoint.dir == job.run_dir / "checkpoints"
+    assert job.entrypoint.args == ("--steps", "100", "--lr", "3e-4")
+    assert job.nproc_per_node == "2" and job.nnodes == "1" and not job.elastic
+    assert job.rdzv.id == "tiny-gpt" and job.rdzv.backend == "c10d" and job.rdzv.endpoint is None
+    assert job.checkpoint.keep == 3 and job.checkpoint.async_save and job.checkpoint.verify == "size"
+    assert job.restart.max_restarts == 10 and job.restart.backoff_s == 1.0
+    assert job.heartbeat.timeout_s == 60.0 and job.collective_timeout_s == 600.0
+
+
+def test_durations_paths_and_elastic_ranges(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    job = load_job(write(tmp_path, """\
+        name: x
+        run_dir: out/run
+        entrypoint: {script: train.py}
+        nnodes: 1:4
+        rdzv: {endpoint: "127.0.0.1:29400", conf: {last_call_timeout: 5}}
+        heartbeat: {interval_s: 500ms, timeout_s: 2m, startup_timeout_s: 1h}
+        checkpoint: {interval_steps: auto, dir: /tmp/ck, expected_mtbf_s: 30m}
+        collective_timeout_s: 90s
+        env: {OMP_NUM_THREADS: 1, DEBUG: true}
+    """))
+    # YAML 1.1 would read the unquoted 1:4 as the base-60 integer 64.
+    assert job.nnodes == "1:4" and job.nnodes_range == (1, 4) and job.elastic
+    assert job.entrypoint.script == tmp_path / "train.py"
+    assert job.run_dir == tmp_path / "out/run"
+    hb = job.heartbeat
+    assert hb.interval_s == 0.5 and hb.timeout_s == 120 and hb.startup_timeout_s == 3600
+    assert job.checkpoint.auto and job.checkpoint.expected_mtbf_s == 1800 and job.checkpoint.dir == Path("/tmp/ck")
+    assert job.collective_timeout_s == 90.0
+    assert job.env == {"OMP_NUM_THREADS": "1", "DEBUG": "1"}
+    assert job.rdzv.conf == {"last_call_timeout": "5"}
+
+
+def test_set_overrides_apply_before_validation(tmp_path):
+    path = write(tmp_path, GOOD)
+    job = load_job(path, ["checkpoint.interval_steps=auto", "nproc_per_node=1", "run_dir=elsewhere",
+                          "entrypoint.args=[--steps, 5]", "restart.backoff_s=0"])
+    assert job.checkpoint.auto and job.nproc_per_node == "1"
+    assert job.run_dir == tmp_path / "elsewhere"
+    assert job.entrypoint.args == ("--steps", "5") and job.restart.backoff_s == 0.0
+    assert parse_override("nnodes=2:3").value == "2:3"
+
+
+# (job text, override, expected line, expected words in the message)
+BAD = {
+    "invalid yaml": ("name: x\nentrypoint:\n  module: m\n   args: []\n", None, 4, ["not valid YAML"]),
+    "empty file": ("", None, 1, ["empty"]),
+    "not a mapping": ("- a\n- b\n", None, 1, ["mapping"]),
+    "missing name": ("entrypoint: {module: m}\n", None, 1, ["'name'", "missing"]),
+    "unknown top key": ("name: x\nentrypoint: {module: m}\nnproc: 2\n", None, 3, ['"nproc"', "nproc_per_node"]),
+    "unknown entrypoint key": ("name: x\nentrypoint:\n  module: m\n  argv: []\n", None, 4, ['"entrypoint.argv"']),
+    "unknown checkpoint key": ("name: x\nentrypoint: {module: m}\ncheckpoint:\n  intervall_steps: 5\n", None, 4,
+                               ['"checkpoint.intervall_steps"', 'did you mean "interval_steps"']),
+    "unknown restart key": ("name: x\nentrypoint: {module: m}\nrestart: {retries: 3}\n", None, 3,
+                            ['"restart.retries"']),
+    "unknown heartbeat key": ("name: x\nentrypoint: {module: m}\nheartbeat:\n  every: 1\n", None, 4,
+                              ['"heartbeat.every"']),
+    "unknown rdzv key": ("name: x\nentrypoint: {module: m}\nrdzv:\n  host: a\n", None, 4, ['"rdzv.host"']),
+    "wrong type nproc": ("name: x\nentrypoint: {module: m}\nnproc_per_node: two\n", None, 3,
+                         ["nproc_per_node must be", "'two'"]),
+    "zero interval": ("name: x\nentrypoint: {module: m}\ncheckpoint:\n  interval_steps: 0\n", None, 4,
+                      ["checkpoint.interval_steps must be"]),
+    "negative interval": ("name: x\nentrypoint: {module: m}\ncheckpoint:\n  interval_steps: -5\n", None, 4,
+                          ["checkpoint.interval_steps", "-5"]),
+    "keep zero": ("name: x\nentrypoint: {module: m}\ncheckpoint: {keep: 0}\n", None, 3, ["checkpoint.keep", "≥ 1"]),
+    "nnodes 4:1": ("name: x\nentrypoint: {module: m}\nnnodes: 4:1\n", None, 3, ["nnodes", "MIN ≤ MAX"]),
+    "module and script": ("name: x\nentrypoint:\n  module: m\n  script: t.py\n", None, 2, ["both module and script"]),
+    "neither module nor script": ("name: x\nentrypoint:\n  args: []\n", None, 2, ["needs module"]),
+    "bad name": ("name: my job/1\nentrypoint: {module: m}\n", None, 1, ["name must be", "'my job/1'"]),
+    "unknown --set key": (GOOD, "checkpoint.every=5", None, ["--set checkpoint.every=5", '"checkpoint.every"']),
+    "bad --set value": (GOOD, "restart.max_restarts=-1", None, ["--set restart.max_restarts=-1", "≥ 0"]),
+    "timeout below interval": ("name: x\nentrypoint: {module: m}\nheartbeat:\n  interval_s: 5\n  timeout_s: 2\n",
+                               None, 5, ["heartbeat.timeout_s", "must exceed"]),
+    "duplicate key": ("name: x\nname: y\nentrypoint: {module: m}\n", None, 2, ["duplicate key 'name'"]),
+    "args not a list": ("name: x\nentrypoint:\n  module: m\n  args: --steps 5\n", None, 4,
+                        ["entrypoint.args must be a list"]),
+    "bad env name": ("name: x\nentrypoint: {module: m}\nenv:\n  1BAD: x\n", None, 4, ["env.1BAD"]),
+    "bad verify": ("name: x\nentrypoint: {module: m}\ncheckpoint:\n  verify: md5\n", None, 4,
+                   ["checkpoint.verify must be one of size, checksum"]),
+    "bad bool": ("name: x\nentrypoint: {module: m}\ncheckpoint:\n  async: sometimes\n", None, 4,
+                 ["checkpoint.async must be true or false"]),
+    "missing script": ("name: x\nentrypoint:\n  script: nowhere.py\n", None, 3, ["does not exist"]),
+    "multinode without endpoint": ("name: x\nentrypoint: {module: m}\nnnodes: 2\n", None, 3,
+                                   ["rdzv.endpoint is required"]),
+    "bad duration": ("name: x\nentrypoint: {module: m}\ncollective_timeout_s: ten minutes\n", None, 3,
+                     ["collective_timeout_s must be a duration"]),
+    "bad endpoint": ("name: x\nentrypoint: {module: m}\nrdzv: {endpoint: nohost}\n", None, 3,
+                     ["rdzv.endpoint must be HOST:PORT"]),
+    "section not a mapping": ("name: x\nentrypoint: {module: m}\nrestart: 3\n", None, 3,
+                              ["restart must be a mapping"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_job_files_exit_2_with_one_line_naming_line_and_key(case, tmp_path, cli):
+    text, override, line, words = BAD[case]
+    path = write(tmp_path, text)
+    args = ["run", path] + (["--set", override] if override else [])
+    result = cli(*args)
+    assert result.exit_code == 2, result.output
+    msg = result.stderr.strip()
+    assert len(msg.splitlines()) == 1, msg
+    assert "Traceback" not in result.output
+    if line is not None:
+        assert f"job.yaml:{line}:" in msg, msg
+    for w in words:
+        assert w in msg, msg
+    assert not (tmp_path / "runs").exists(), "a bad job file must create nothing"
+
+
+def test_missing_job_file_is_a_usage_error(tmp_path, cli):
+    result = cli("run", tmp_path / "nope.yaml")
+    assert result.exit_code == 2 and "no such job file" in result.stderr
+
+
+def test_config_errors_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError):
+        load_job(write(tmp_path, "name: x\n"))

@@ -1,0 +1,190 @@
+"""inspect-checkpoint, gc and status through the CLI, against real folders written by the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from supervisor import state
+from supervisor.lock import RunLock
+from tests.ckpt_helpers import flip_byte, truncate, write_checkpoint
+from tests.test_store import zoo  # noqa: F401  (fixture)
+
+INSPECT_FIELDS = {"step", "path", "status", "reason", "size_bytes", "files", "world_size", "created_at"}
+
+
+def test_inspect_json_contract_and_statuses(zoo, cli):  # noqa: F811
+    r = cli("inspect-checkpoint", zoo, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert {"root", "latest_valid_step", "checkpoints"} <= set(doc)
+    assert doc["latest_valid_step"] == 40 and doc["root"] == str(zoo)
+    by_step = {(c["step"], c["partial"]): c for c in doc["checkpoints"]}
+    for c in doc["checkpoints"]:
+        assert set(c) >= INSPECT_FIELDS
+    assert by_step[(10, False)]["world_size"] == 2 and by_step[(10, False)]["files"] == 3
+    assert [by_step[(s, False)]["status"] for s in (10, 20, 30, 40, 50, 60)] == [
+        "valid", "incomplete", "corrupt", "valid", "corrupt", "corrupt"]
+    assert by_step[(70, True)]["status"] == "incomplete"
+
+
+def test_inspect_verify_finds_the_flipped_byte(zoo, cli):  # noqa: F811
+    doc = json.loads(cli("inspect-checkpoint", zoo, "--verify", "--json").stdout)
+    assert doc["latest_valid_step"] == 10
+    s40 = next(c for c in doc["checkpoints"] if c["step"] == 40)
+    assert s40["status"] == "corrupt" and "checksum mismatch" in s40["reason"]
+
+
+def test_inspect_exit_codes_follow_the_contract(zoo, cli, tmp_path):  # noqa: F811
+    assert cli("inspect-checkpoint", zoo, "--step", "40").exit_code == 0
+    assert cli("inspect-checkpoint", zoo, "--step", "40", "--verify").exit_code == 1
+    assert cli("inspect-checkpoint", zoo, "--step", "30").exit_code == 1
+    assert cli("inspect-checkpoint", zoo / "step_000000010").exit_code == 0
+    assert cli("inspect-checkpoint", zoo / "step_000000050").exit_code == 1
+    r = cli("inspect-checkpoint", zoo, "--step", "999")
+    assert r.exit_code == 2 and "no checkpoint for step 999" in r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli("inspect-checkpoint", empty).exit_code == 1
+    assert cli("inspect-checkpoint", tmp_path / "missing").exit_code == 2
+
+
+def test_inspect_table_names_each_reason(zoo, cli):  # noqa: F811
+    r = cli("inspect-checkpoint", zoo)
+    assert "latest valid: step 40" in r.stdout
+    for words in ("no completion marker", "(truncated)", "not valid JSON", "unlisted file notes.txt",
+                  "partial save, never committed"):
+        assert words in r.stdout, words
+
+
+def test_gc_keep_1_keeps_newest_valid_even_with_newer_invalid(zoo, cli):  # noqa: F811
+    dry = json.loads(cli("gc", zoo, "--keep", "1", "--dry-run", "--json").stdout)
+    assert dry["dry_run"] and dry["kept"] == [40]
+    assert len(os.listdir(zoo)) == 7, "--dry-run deletes nothing"
+    r = cli("gc", zoo, "--keep", "1", "--json")
+    assert r.exit_code == 0
+    doc = json.loads(r.stdout)
+    assert doc["kept"] == [40] and not doc["dry_run"]
+    assert {x.get("step") for x in doc["removed"]} == {10, 20, 30, 50, 60, 70}
+    assert doc["freed_bytes"] == dry["freed_bytes"] > 0
+    assert sorted(os.listdir(zoo)) == ["step_000000040"]
+
+
+def test_gc_keeps_n_newest_valid_and_prints_what_it_freed(tmp_path, cli):
+    for s in (1, 2, 3, 4):
+        write_checkpoint(tmp_path, s)
+    truncate(write_checkpoint(tmp_path, 5) / "__0_0.distcp")
+    r = cli("gc", tmp_path, "--keep", "2")
+    assert r.exit_code == 0
+    assert "removed step 1" in r.stdout and "removed step 5" in r.stdout and "freed" in r.stdout
+    assert sorted(os.listdir(tmp_path)) == ["step_000000003", "step_000000004"]
+
+
+def test_gc_usage_errors(tmp_path, cli):
+    write_checkpoint(tmp_path, 1)
+    r = cli("gc", tmp_path, "--keep", "0")
+    assert r.exit_code == 2 and "--keep 0" in r.stderr
+    assert (tmp_path / "step_000000001").exists()
+    r = cli("gc", tmp_path / "missing", "--keep", "1")
+    assert r.exit_code == 2 and "no such file or folder" in r.stderr
+    r = cli("gc", tmp_path / "missing", "--keep", "1", "--json")
+    assert r.exit_code == 2 and json.loads(r.stdout)["exit_code"] == 2
+
+
+def test_gc_spares_partials_of_a_live_run(tmp_path, cli):
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    write_checkpoint(root, 1)
+    write_checkpoint(root, 2, commit=False)  # abandoned by its writer...
+    (run_dir / "job.json").write_text(json.dumps({"job": {"checkpoint": {"dir": str(root)}}}))
+    with RunLock(run_dir):  # ...but a supervisor holds the run dir: it may relaunch and own it
+        doc = json.loads(cli("gc", root, "--keep", "1", "--json").stdout)
+        assert doc["removed"] == [] and doc["spared"][0]["step"] == 2
+    doc = json.loads(cli("gc", root, "--keep", "1", "--json").stdout)
+    assert [x["step"] for x in doc["removed"]] == [2]
+
+
+def _state_file(run_dir, **kw):
+    rec = state.RunRecord(name="tiny", run_dir=str(run_dir), checkpoint_dir=str(run_dir / "checkpoints"),
+                          max_restarts=10, **kw)
+    rec.history.append(state.AttemptRecord(attempt=0, started_at=time.time() - 30, resumed_from_step=None,
+                                           ended_at=time.time() - 20, reason="worker_signal",
+                                           detail="rank 1 killed by SIGKILL", failed_rank=1, step_at_failure=57))
+    rec.ranks = [{"rank": 0, "pid": 123, "step": 60, "heartbeat_at": time.time() - 1, "alive": True}]
+    state.write(run_dir / "state.json", rec)
+    return rec
+
+
+STATUS_FIELDS = {"name", "run_dir", "state", "attempt", "restarts", "step", "last_checkpoint_step", "ranks",
+                 "history", "goodput"}
+HISTORY_FIELDS = {"attempt", "started_at", "ended_at", "reason", "failed_rank", "step_at_failure",
+                  "resumed_from_step"}
+RANK_FIELDS = {"rank", "pid", "step", "heartbeat_age_s", "alive"}
+
+
+def test_status_json_contract(tmp_path, cli):
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=60, last_checkpoint_step=60, goodput=0.8)
+    r = cli("status", tmp_path, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert set(doc) >= STATUS_FIELDS
+    assert set(doc["history"][0]) >= HISTORY_FIELDS and set(doc["ranks"][0]) >= RANK_FIELDS
+    assert doc["state"] == "succeeded" and doc["history"][0]["reason"] == "worker_signal"
+    assert doc["ranks"][0]["alive"] is False  # no supervisor holds the run dir
+
+
+def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
+    _state_file(tmp_path, state=state.RunState.RUNNING)
+    doc = json.loads(cli("status", tmp_path, "--json").stdout)
+    assert doc["state"] == "stopped" and doc["recorded_state"] == "running" and not doc["supervisor_alive"]
+    with RunLock(tmp_path):
+        doc = json.loads(cli("status", tmp_path, "--json").stdout)
+        assert doc["state"] == "running" and doc["supervisor_alive"]
+    text = cli("status", tmp_path).stdout
+    assert "tiny" in text and "worker_signal" in text and "rank 1 killed by SIGKILL" in text
+
+
+def test_status_without_a_run_is_a_clean_message(tmp_path, cli):
+    r = cli("status", tmp_path)
+    assert r.exit_code == 2 and "no run here" in r.stderr and "Traceback" not in r.output
+    (tmp_path / "state.json").write_text('{"schema_version": 99}')
+    r = cli("status", tmp_path)
+    assert r.exit_code == 2 and "schema_version 99" in r.stderr
+
+
+def test_version(cli):
+    r = cli("--version")
+    assert r.exit_code == 0 and r.stdout.startswith("resilient ")
+
+
+def test_importing_the_cli_does_not_import_torch():
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import supervisor.cli"],
+                         capture_output=True, text=True, check=True)
+    modules = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()}
+    assert "typer" in modules
+    assert not {m for m in modules if m == "torch" or m.startswith("torch.")}
+
+
+def test_light_commands_never_import_torch(zoo, tmp_path):  # noqa: F811
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED)
+    code = (
+        "import sys\nfrom supervisor.cli import app\n"
+        "for argv in sys.argv[1:]:\n"
+        "    try: app(argv.split('|'))\n"
+        "    except SystemExit: pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    runs = [f"status|{tmp_path}|--json", f"inspect-checkpoint|{zoo}|--verify|--json",
+            f"gc|{zoo}|--keep|2|--dry-run|--json"]
+    out = subprocess.run([sys.executable, "-c", code, *runs], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_flip_byte_helper_changes_exactly_one_byte(tmp_path):
+    p = tmp_path / "f"
+    p.write_bytes(b"\0" * 200)
+    flip_byte(p)
+    assert p.read_bytes().count(b"\xff") == 1

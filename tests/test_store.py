@@ -1,0 +1,148 @@
+"""The checkpoint store: writing protocol, validation statuses, latest_valid and retention."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from supervisor import retention, store
+from supervisor.store import Status
+from tests.ckpt_helpers import flip_byte, truncate, write_checkpoint
+
+
+def test_layout_names_are_zero_padded_and_partials_never_match():
+    assert store.step_dirname(50) == "step_000000050"
+    assert store.partial_dirname(50) == "step_000000050.partial"
+    assert store.STEP_RE.match("step_000000050")
+    assert not store.STEP_RE.match("step_000000050.partial")
+    assert not store.STEP_RE.match("step_50")
+
+
+def test_commit_writes_manifest_last_and_publishes_folder(tmp_path):
+    final = write_checkpoint(tmp_path, 10)
+    assert final == tmp_path / "step_000000010"
+    assert not (tmp_path / "step_000000010.partial").exists()
+    doc = json.loads((final / store.MARKER).read_text())
+    assert doc["step"] == 10 and doc["world_size"] == 2
+    assert doc["checksum_algorithm"] == "xxh3_128"
+    assert {f["name"] for f in doc["files"]} == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    assert doc["writer"]["resilient"]
+    assert doc["extra"] == {"tokens_seen": 1000}
+    assert not (final / store.WRITER_LOCK).exists()
+    info = store.inspect(final, deep=True)
+    assert info.status is Status.VALID, info.reason
+
+
+def test_commit_refuses_unlisted_or_short_files(tmp_path):
+    partial = store.begin(tmp_path, 5)
+    (partial.path / "a").write_bytes(b"xxxx")
+    (partial.path / "stray").write_bytes(b"y")
+    records = store.describe_files(partial.path, ["a"])
+    with pytest.raises(RuntimeError, match="unlisted"):
+        partial.commit(1, records)
+    with pytest.raises(RuntimeError, match="record says"):
+        partial.commit(1, [store.FileRecord("a", 99, "0")])
+    assert not (tmp_path / "step_000000005").exists()
+
+
+def test_commit_replaces_an_older_folder_of_the_same_step(tmp_path):
+    first = write_checkpoint(tmp_path, 20)
+    truncate(first / "__0_0.distcp")
+    assert store.inspect(first).status is Status.CORRUPT
+    again = write_checkpoint(tmp_path, 20)
+    assert store.inspect(again, deep=True).valid
+    assert store.trash_dirs(tmp_path) == []
+
+
+def test_begin_removes_a_dead_writers_partial_but_not_a_live_one(tmp_path):
+    live = write_checkpoint(tmp_path, 30, commit=False, close=False)
+    assert store.writer_alive(live.path) == os.getpid()
+    with pytest.raises(RuntimeError, match="live writer"):
+        store.begin(tmp_path, 30)
+    live.close()
+    assert store.writer_alive(live.path) is None
+    fresh = store.begin(tmp_path, 30)
+    assert list(fresh.path.iterdir()) == [fresh.path / store.WRITER_LOCK]
+    fresh.close()
+
+
+@pytest.fixture
+def zoo(tmp_path) -> Path:
+    """Every kind of folder the acceptance line names, each made by the writer API then damaged."""
+    root = tmp_path / "ckpt"
+    write_checkpoint(root, 10)                                   # valid
+    no_marker = write_checkpoint(root, 20)                       # valid until its marker goes
+    os.unlink(no_marker / store.MARKER)
+    truncate(write_checkpoint(root, 30) / "__1_0.distcp")        # truncated shard
+    flip_byte(write_checkpoint(root, 40) / "__0_0.distcp")       # flipped byte: valid unless verified
+    (write_checkpoint(root, 50) / store.MARKER).write_text("{not json")  # garbage marker
+    (write_checkpoint(root, 60) / "notes.txt").write_text("x")   # unlisted extra file
+    write_checkpoint(root, 70, commit=False)                     # abandoned partial save
+    return root
+
+
+def test_every_status_and_reason(zoo):
+    got = {(i.step, i.partial): i for i in store.scan(zoo)}
+    expect = {
+        (10, False): (Status.VALID, "sizes match"),
+        (20, False): (Status.INCOMPLETE, "no completion marker"),
+        (30, False): (Status.CORRUPT, "__1_0.distcp is 4087 bytes, manifest says 4097 (truncated)"),
+        (40, False): (Status.VALID, "sizes match"),
+        (50, False): (Status.CORRUPT, "completion marker is unreadable: not valid JSON"),
+        (60, False): (Status.CORRUPT, "unlisted file notes.txt"),
+        (70, True): (Status.INCOMPLETE, "partial save, never committed"),
+    }
+    assert set(got) == set(expect)
+    for key, (status, reason) in expect.items():
+        assert got[key].status is status, (key, got[key].reason)
+        assert reason in got[key].reason, (key, got[key].reason)
+    assert store.latest_valid(zoo).step == 40
+    deep = {i.step: i for i in store.scan(zoo, deep=True)}
+    assert deep[40].status is Status.CORRUPT and "checksum mismatch" in deep[40].reason
+    assert deep[10].status is Status.VALID
+    assert store.latest_valid(zoo, deep=True).step == 10
+
+
+def test_latest_valid_never_returns_an_invalid_folder(zoo):
+    for below in (None, 80, 40, 11):
+        info = store.latest_valid(zoo, below=below)
+        assert info is not None and info.valid
+        assert store.inspect(info.path).valid
+    assert store.latest_valid(zoo, below=10) is None
+    assert store.latest_valid(zoo / "missing") is None
+
+
+def test_a_marker_for_another_step_is_corrupt(tmp_path):
+    a = write_checkpoint(tmp_path, 1)
+    b = write_checkpoint(tmp_path, 2)
+    (b / store.MARKER).write_bytes((a / store.MARKER).read_bytes())
+    info = store.inspect(b)
+    assert info.status is Status.CORRUPT and "marker says step 1" in info.reason
+
+
+def test_retention_keeps_newest_valid_and_spares_live_partials(zoo):
+    infos = store.scan(zoo)
+    p = retention.plan(zoo, infos, keep=1, owner_alive=False)
+    assert [i.step for i in p.kept] == [40]
+    removed = {r.step for r in p.remove}
+    assert removed == {10, 20, 30, 50, 60, 70}
+    # With a live supervisor, the partial and the invalid folders newer than the newest valid stay.
+    p = retention.plan(zoo, infos, keep=1, owner_alive=True)
+    assert {r.step for r in p.remove} == {10, 20, 30}
+    assert {c.step for c, _ in p.spared} == {50, 60, 70}
+    with pytest.raises(ValueError):
+        retention.plan(zoo, infos, keep=0, owner_alive=False)
+
+
+def test_retention_never_touches_a_partial_with_a_live_writer(tmp_path):
+    write_checkpoint(tmp_path, 1)
+    live = write_checkpoint(tmp_path, 0, commit=False, close=False)  # older than newest valid, but live
+    p = retention.plan(tmp_path, store.scan(tmp_path), keep=1, owner_alive=False)
+    assert p.remove == [] and "in progress" in p.spared[0][1]
+    live.close()
+    p = retention.plan(tmp_path, store.scan(tmp_path), keep=1, owner_alive=True)
+    assert [r.step for r in p.remove] == [0]
+    assert retention.apply(p) > 0 and not live.path.exists()
