@@ -1,0 +1,281 @@
+"""What the supervisor and the ranks say to each other, without importing torch on either side.
+
+The supervisor hands over through environment variables (`Handover`); the ranks answer through files:
+a heartbeat per rank (rewritten at most once per interval) and rank 0's step log (appended). Exit codes
+tell the supervisor how a rank ended when it ended on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.fsutil import atomic_write_json, read_json
+
+# ---------------------------------------------------------------------------------------------------
+# Exit codes of a rank (documented in the README). torchrun itself exits 1 for any worker failure, so
+# the supervisor reads these from the ranks' last heartbeat and torchrun's failure summary.
+
+EXIT_PREEMPTED = 75  # SIGTERM: stopped at a step boundary, checkpointed if the grace allowed (EX_TEMPFAIL)
+EXIT_NAN = 76  # a non-finite loss: nothing of that step was saved
+EXIT_CONFIG = 78  # bad arguments or environment: retrying cannot help (EX_CONFIG)
+
+# ---------------------------------------------------------------------------------------------------
+# The handover: environment variables the supervisor sets for every rank.
+
+ENV_RUN_DIR = "RESILIENT_RUN_DIR"
+ENV_NODE = "RESILIENT_NODE"
+ENV_ATTEMPT = "RESILIENT_ATTEMPT"
+ENV_CKPT_DIR = "RESILIENT_CKPT_DIR"
+ENV_CKPT_INTERVAL = "RESILIENT_CKPT_INTERVAL"  # steps, or "auto"
+ENV_CKPT_ASYNC = "RESILIENT_CKPT_ASYNC"  # 1 or 0
+ENV_RESUME_STEP = "RESILIENT_RESUME_STEP"  # empty: start fresh
+ENV_RESUME_PATH = "RESILIENT_RESUME_PATH"
+ENV_HEARTBEAT_DIR = "RESILIENT_HEARTBEAT_DIR"
+ENV_HEARTBEAT_INTERVAL_S = "RESILIENT_HEARTBEAT_INTERVAL_S"
+ENV_STEP_LOG = "RESILIENT_STEP_LOG"
+ENV_CONTROL_FILE = "RESILIENT_CONTROL_FILE"
+ENV_COLLECTIVE_TIMEOUT_S = "RESILIENT_COLLECTIVE_TIMEOUT_S"
+ENV_STOP_GRACE_S = "RESILIENT_STOP_GRACE_S"
+ENV_SUPERVISOR_PID = "RESILIENT_SUPERVISOR_PID"
+
+PHASES = ("startup", "load", "train", "save", "exited")
+
+
+@dataclass(frozen=True)
+class Handover:
+    """Everything a rank needs from the supervisor. Empty fields mean "not supervised: use defaults"."""
+
+    run_dir: str | None = None
+    node: str | None = None
+    attempt: int = 0
+    ckpt_dir: str | None = None
+    ckpt_interval: int | None = None  # None: auto
+    ckpt_async: bool | None = None
+    resume_step: int | None = None
+    resume_path: str | None = None
+    heartbeat_dir: str | None = None
+    heartbeat_interval_s: float | None = None
+    step_log: str | None = None
+    control_file: str | None = None
+    collective_timeout_s: float | None = None
+    stop_grace_s: float | None = None
+    supervisor_pid: int | None = None
+
+    @property
+    def supervised(self) -> bool:
+        return self.supervisor_pid is not None
+
+    def to_env(self) -> dict[str, str]:
+        pairs = {
+            ENV_RUN_DIR: self.run_dir, ENV_NODE: self.node, ENV_ATTEMPT: self.attempt,
+            ENV_CKPT_DIR: self.ckpt_dir,
+            ENV_CKPT_INTERVAL: "auto" if self.ckpt_interval is None else self.ckpt_interval,
+            ENV_CKPT_ASYNC: None if self.ckpt_async is None else int(self.ckpt_async),
+            ENV_RESUME_STEP: self.resume_step, ENV_RESUME_PATH: self.resume_path,
+            ENV_HEARTBEAT_DIR: self.heartbeat_dir, ENV_HEARTBEAT_INTERVAL_S: self.heartbeat_interval_s,
+            ENV_STEP_LOG: self.step_log, ENV_CONTROL_FILE: self.control_file,
+            ENV_COLLECTIVE_TIMEOUT_S: self.collective_timeout_s, ENV_STOP_GRACE_S: self.stop_grace_s,
+            ENV_SUPERVISOR_PID: self.supervisor_pid,
+        }
+        return {k: "" if v is None else str(v) for k, v in pairs.items()}
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Handover:
+        env = dict(os.environ if env is None else env)
+
+        def get(name: str) -> str | None:
+            return env.get(name) or None
+
+        def num(name: str, kind: type) -> Any:
+            v = get(name)
+            if v is None:
+                return None
+            try:
+                return kind(v)
+            except ValueError:
+                raise ValueError(f"{name}={v!r} is not a {kind.__name__}") from None
+
+        interval = get(ENV_CKPT_INTERVAL)
+        return cls(
+            run_dir=get(ENV_RUN_DIR), node=get(ENV_NODE), attempt=num(ENV_ATTEMPT, int) or 0,
+            ckpt_dir=get(ENV_CKPT_DIR),
+            ckpt_interval=None if interval in (None, "auto") else num(ENV_CKPT_INTERVAL, int),
+            ckpt_async=None if get(ENV_CKPT_ASYNC) is None else get(ENV_CKPT_ASYNC) == "1",
+            resume_step=num(ENV_RESUME_STEP, int), resume_path=get(ENV_RESUME_PATH),
+            heartbeat_dir=get(ENV_HEARTBEAT_DIR), heartbeat_interval_s=num(ENV_HEARTBEAT_INTERVAL_S, float),
+            step_log=get(ENV_STEP_LOG), control_file=get(ENV_CONTROL_FILE),
+            collective_timeout_s=num(ENV_COLLECTIVE_TIMEOUT_S, float),
+            stop_grace_s=num(ENV_STOP_GRACE_S, float), supervisor_pid=num(ENV_SUPERVISOR_PID, int),
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Heartbeats: one JSON file per rank, rewritten whole (temp + rename) at most once per interval.
+
+HEARTBEAT_SCHEMA = 1
+
+
+def heartbeat_path(folder: str | os.PathLike, rank: int) -> Path:
+    return Path(folder) / f"rank_{rank}.json"
+
+
+@dataclass
+class Heartbeat:
+    """One rank's latest word. `seq` grows with every write, so a reader can tell a fresh beat from an old
+    one without comparing clocks; `progress_at` moves only when `step` does."""
+
+    rank: int
+    pid: int
+    attempt: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    node: str = ""
+    phase: str = "startup"
+    step: int = 0
+    seq: int = 0
+    time: float = 0.0
+    started_at: float = 0.0
+    progress_at: float | None = None
+    first_step_at: float | None = None
+    steps_per_s: float | None = None
+    saving_step: int | None = None  # an async save in flight
+    last_save: dict[str, Any] | None = None
+    log_dir: str | None = None
+    restart_count: int = 0
+    exit_code: int | None = None
+    exit_reason: str | None = None
+    schema_version: int = HEARTBEAT_SCHEMA
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Heartbeat:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def write_heartbeat(folder: str | os.PathLike, hb: Heartbeat) -> None:
+    atomic_write_json(heartbeat_path(folder, hb.rank), hb.to_dict(), durable=False)
+
+
+def read_heartbeats(folder: str | os.PathLike) -> dict[int, Heartbeat]:
+    """Every rank's heartbeat in `folder`; unreadable or foreign files are skipped."""
+    out: dict[int, Heartbeat] = {}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return out
+    for name in names:
+        if not (name.startswith("rank_") and name.endswith(".json")):
+            continue
+        try:
+            d = read_json(Path(folder) / name)
+            if d.get("schema_version") == HEARTBEAT_SCHEMA:
+                hb = Heartbeat.from_dict(d)
+                out[hb.rank] = hb
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The step log: rank 0 appends one JSON line per step and per save. The supervisor tails it.
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    t: float
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    step: int
+    t: float
+    blocking_s: float
+    persist_s: float | None = None
+    committed: bool = False
+    bytes: int | None = None
+
+
+class StepLogReader:
+    """Incremental reader of a step log: `poll()` returns the records appended since the last call."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> list[StepRecord | SaveRecord]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except OSError:
+            return []
+        self._offset += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # an unterminated last line waits for the rest
+        out: list[StepRecord | SaveRecord] = []
+        for line in lines:
+            rec = parse_step_line(line)
+            if rec is not None:
+                out.append(rec)
+        return out
+
+
+def parse_step_line(line: bytes | str) -> StepRecord | SaveRecord | None:
+    try:
+        d = json.loads(line)
+        if "save" in d:
+            return SaveRecord(int(d["save"]), float(d["t"]), float(d["blocking_s"]),
+                              d.get("persist_s"), bool(d.get("committed")), d.get("bytes"))
+        return StepRecord(int(d["step"]), float(d["t"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def read_step_log(path: str | os.PathLike) -> list[StepRecord | SaveRecord]:
+    return StepLogReader(path).poll()
+
+
+def step_line(step: int, t: float | None = None) -> str:
+    return json.dumps({"step": step, "t": round(time.time() if t is None else t, 4)}) + "\n"
+
+
+def save_line(rec: SaveRecord) -> str:
+    d = {"save": rec.step, "t": round(rec.t, 4), "blocking_s": round(rec.blocking_s, 5),
+         "persist_s": None if rec.persist_s is None else round(rec.persist_s, 4),
+         "committed": rec.committed, "bytes": rec.bytes}
+    return json.dumps(d) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The control file: the supervisor's running instructions to rank 0 (for now: the checkpoint interval
+# chosen by "auto"). Rank 0 reads it at most once per heartbeat interval and broadcasts the value.
+
+
+@dataclass(frozen=True)
+class Control:
+    ckpt_interval: int | None = None
+    why: str = ""
+    written_at: float = field(default_factory=time.time)
+
+
+def write_control(path: str | os.PathLike, control: Control) -> None:
+    atomic_write_json(path, asdict(control), durable=False)
+
+
+def read_control(path: str | os.PathLike) -> Control | None:
+    try:
+        d = read_json(path)
+        return Control(d.get("ckpt_interval"), d.get("why", ""), d.get("written_at", 0.0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None

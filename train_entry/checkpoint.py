@@ -1,0 +1,178 @@
+"""Saving and loading through DCP, following the store's protocol (supervisor.store).
+
+A save, on every rank: rank 0 opens the partial folder; all ranks write their shards with DCP (each file
+fsynced) on the dedicated gloo checkpoint group; each rank checksums its own files; rank 0 gathers the
+records and commits (marker last, folder renamed). With `async_save`, the training thread blocks only
+while the state is copied to host memory; the rest runs in one background thread, at most one save in
+flight, so host memory holds at most one extra copy of this rank's shard of the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from supervisor import store
+from supervisor.protocol import SaveRecord
+from train_entry.dist import DistContext
+
+log = logging.getLogger("train_entry")
+
+PAUSE_POINTS = ("mid_data", "before_marker")
+
+
+class CheckpointError(RuntimeError):
+    """A save failed (disk full, a rank died mid-save, ...). Raised in the training thread."""
+
+
+@dataclass(frozen=True)
+class SavePause:
+    """Test hook: sleep at `point` of the save of `step` (any step if None), to be killed there."""
+
+    point: str
+    seconds: float
+    step: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> SavePause:
+        """`mid_data:30` or `before_marker:30@20`."""
+        body, _, step = text.partition("@")
+        point, _, seconds = body.partition(":")
+        if point not in PAUSE_POINTS or not seconds:
+            raise ValueError(f"--test-save-pause {text!r}: expected POINT:SECONDS[@STEP], POINT one of "
+                             + ", ".join(PAUSE_POINTS))
+        return cls(point, float(seconds), int(step) if step else None)
+
+    def maybe(self, point: str, step: int) -> None:
+        if point == self.point and (self.step is None or self.step == step):
+            log.warning("test hook: pausing %.1fs at %s of the save of step %d", self.seconds, point, step)
+            time.sleep(self.seconds)
+
+
+class _Writer(FileSystemWriter):
+    """FileSystemWriter that fsyncs every file and can pause after its data (before DCP's .metadata)."""
+
+    def __init__(self, path: Path, step: int, pause: SavePause | None):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        self._step, self._pause = step, pause
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        fut = super().write_data(plan, planner)
+        if self._pause is not None:
+            fut.wait()
+            self._pause.maybe("mid_data", self._step)
+        return fut
+
+
+class Checkpointer:
+    def __init__(self, root: str | Path, ctx: DistContext, *, async_save: bool,
+                 on_saved: Callable[[SaveRecord], None] | None = None, pause: SavePause | None = None):
+        self.root = Path(root)
+        self.ctx = ctx
+        self.async_save = async_save
+        self.on_saved = on_saved
+        self.pause = pause
+        self.last_save_s: float | None = None  # wall time of the last whole save, blocking + persist
+        self._stager: Any = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.in_flight: int | None = None
+
+    # ---- saving -------------------------------------------------------------------------------------
+
+    def save(self, step: int, state_dict: Callable[[], dict[str, Any]], *, sync: bool,
+             extra: dict[str, Any] | None = None) -> float:
+        """Save `state_dict()` as step `step`; returns the seconds the caller was blocked.
+
+        Waits first for a save still in flight (that wait counts as blocking: it is what the caller pays).
+        """
+        t0 = time.monotonic()
+        self.wait()
+        sd = state_dict()
+        if sync or not self.async_save:
+            self._persist(step, sd, extra or {}, t0, blocking_s=None)
+            return time.monotonic() - t0
+        staged = self._stage(sd)
+        blocking = time.monotonic() - t0
+        self.in_flight = step
+        self._thread = threading.Thread(target=self._persist_in_background, name=f"resilient-save-{step}",
+                                        args=(step, staged, extra or {}, t0, blocking), daemon=True)
+        self._thread.start()
+        return blocking
+
+    def _stage(self, sd: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is None:
+            cuda = self.ctx.device.type == "cuda"
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager.stage(sd)
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is committed; raise CheckpointError if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self.in_flight = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"checkpoint save failed: {err}") from err
+
+    def _persist_in_background(self, *args: Any) -> None:
+        try:
+            self._persist(*args)
+        except BaseException as e:  # surfaced in the training thread by the next wait()
+            self._error = e
+
+    def _persist(self, step: int, sd: dict[str, Any], extra: dict[str, Any], t0: float,
+                 blocking_s: float | None) -> None:
+        ctx, group = self.ctx, self.ctx.ckpt_group
+        partial = store.begin(self.root, step) if ctx.is_main else None
+        path = store.partial_path(self.root, step)
+        try:
+            dist.barrier(group=group)  # the folder exists before anyone writes into it
+            metadata = dcp.save(sd, storage_writer=_Writer(path, step, self.pause), process_group=group)
+            data_files = {s.relative_path for s in metadata.storage_data.values()}
+            mine = sorted(f for f in data_files if f.startswith(f"__{ctx.rank}_"))
+            if ctx.is_main:
+                mine.append(".metadata")
+            records = store.describe_files(path, mine)
+            gathered: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+            dist.gather_object(records, gathered, dst=0, group=group)
+            if partial is not None:
+                if self.pause is not None:
+                    self.pause.maybe("before_marker", step)
+                all_records = [r for rank_records in gathered or [] for r in rank_records]
+                final = partial.commit(ctx.world_size, all_records, extra=extra)
+                total = time.monotonic() - t0
+                size = sum(r.size for r in all_records)
+                log.info("checkpoint step %d committed: %s, %.1f MB, blocked %.3fs, total %.2fs",
+                         step, final.name, size / 1e6, blocking_s if blocking_s is not None else total, total)
+            self.last_save_s = time.monotonic() - t0
+            if self.on_saved is not None:
+                blocking = blocking_s if blocking_s is not None else self.last_save_s
+                self.on_saved(SaveRecord(step, time.time(), blocking, self.last_save_s, True,
+                                         sum(r.size for r in records)))
+        finally:
+            if partial is not None:
+                partial.close()  # uncommitted: an abandoned partial folder, never a checkpoint
+
+    # ---- loading ------------------------------------------------------------------------------------
+
+    def load(self, path: Path, template: Callable[[set[str]], dict[str, Any]]) -> dict[str, Any]:
+        """Read the checkpoint at `path` into `template(keys in the checkpoint)`; DCP reshards as needed."""
+        reader = FileSystemReader(path)
+        keys = set(reader.read_metadata().state_dict_metadata)
+        sd = template(keys)
+        dcp.load(sd, storage_reader=reader)
+        return sd

@@ -1,0 +1,73 @@
+"""Process groups: gloo on CPU, NCCL on GPU (chosen by device), plus a gloo group for checkpointing."""
+
+from __future__ import annotations
+
+import ctypes
+import datetime as dt
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+log = logging.getLogger("train_entry")
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    mesh: DeviceMesh
+    ckpt_group: dist.ProcessGroup
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    """`auto`: this rank's GPU when CUDA is available, else the CPU."""
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but CUDA is not available on this machine")
+    return torch.device("cuda", local_rank)
+
+
+def init(timeout_s: float, device_preference: str = "auto") -> DistContext:
+    """Join the job's process group (torchrun's env:// rendezvous) with the collective timeout.
+
+    The checkpoint group is always gloo: background saves gather small Python objects and must not share
+    the training group (an async save on the training group deadlocked in measurements here).
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(device_preference, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = dt.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    world = dist.get_world_size()
+    ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
+    mesh = init_device_mesh(device.type, (world,))
+    return DistContext(dist.get_rank(), world, local_rank, device, backend, mesh, ckpt_group)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` when our parent (torchrun) dies, so a killed launcher orphans no rank."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+    except OSError:  # not Linux: the supervisor-pid watch still covers us
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)

@@ -1,0 +1,140 @@
+"""The beat thread: writes this rank's heartbeat and (rank 0) the step log, and watches the supervisor.
+
+The training loop only updates fields in memory (`progress`, `set_phase`); file I/O happens here, at
+most once per interval, so beating costs the loop nothing measurable. Because the thread keeps writing
+while the main thread is inside a long save or load, a rank is "alive" as long as its process runs; a
+rank stuck in a collective is still caught, because its `progress_at` stops moving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from supervisor.protocol import Heartbeat, SaveRecord, read_control, save_line, step_line, write_heartbeat
+
+log = logging.getLogger("train_entry")
+
+
+class Beater:
+    def __init__(self, hb: Heartbeat, folder: str | None, interval_s: float, *, step_log: str | None = None,
+                 control_file: str | None = None, supervisor_pid: int | None = None,
+                 on_orphaned: Callable[[], None] | None = None):
+        self.hb = hb
+        self.folder = folder
+        self.interval_s = interval_s
+        self.step_log = Path(step_log) if step_log else None
+        self.control_file = control_file
+        self.supervisor_pid = supervisor_pid
+        self.on_orphaned = on_orphaned
+        self.control_interval: int | None = None  # the supervisor's latest checkpoint interval, if any
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="resilient-heartbeat", daemon=True)
+        self._rate_t: float | None = None
+        self._rate_step = 0
+
+    # ---- called from the training loop -------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.folder:
+            Path(self.folder).mkdir(parents=True, exist_ok=True)
+        if self.step_log:
+            self.step_log.parent.mkdir(parents=True, exist_ok=True)
+        self._write()
+        self._thread.start()
+
+    def set_phase(self, phase: str, *, now: bool = False) -> None:
+        with self._lock:
+            self.hb.phase = phase
+        if now:
+            self._wake.set()
+
+    def progress(self, step: int) -> None:
+        t = time.time()
+        with self._lock:
+            hb = self.hb
+            if hb.first_step_at is None:
+                hb.first_step_at = t
+            hb.step, hb.progress_at, hb.phase = step, t, "train" if hb.phase != "save" else hb.phase
+            if self._rate_t is None:
+                self._rate_t, self._rate_step = t, step
+            elif t - self._rate_t >= 2.0:
+                hb.steps_per_s = round((step - self._rate_step) / (t - self._rate_t), 3)
+                self._rate_t, self._rate_step = t, step
+            if self.step_log:
+                self._lines.append(step_line(step, t))
+
+    def update(self, **fields: object) -> None:
+        with self._lock:
+            for k, v in fields.items():
+                setattr(self.hb, k, v)
+
+    def record_save(self, rec: SaveRecord) -> None:
+        with self._lock:
+            self.hb.last_save = {"step": rec.step, "blocking_s": rec.blocking_s, "persist_s": rec.persist_s,
+                                 "committed": rec.committed}
+            if self.step_log:
+                self._lines.append(save_line(rec))
+        self._wake.set()
+
+    def stop(self, **final: object) -> None:
+        """Write the last heartbeat (with exit code and reason) and the remaining step lines, now."""
+        self.update(**final)
+        self._stopped.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._write()
+
+    # ---- the thread --------------------------------------------------------------------------------
+
+    def _write(self) -> None:
+        with self._lock:
+            self.hb.seq += 1
+            self.hb.time = time.time()
+            snapshot = Heartbeat.from_dict(self.hb.to_dict())
+            lines, self._lines = self._lines, []
+        if self.folder:
+            write_heartbeat(self.folder, snapshot)
+        if lines and self.step_log:
+            with open(self.step_log, "a") as f:
+                f.write("".join(lines))
+
+    def _supervisor_gone(self) -> bool:
+        if self.supervisor_pid is None:
+            return False
+        try:
+            os.kill(self.supervisor_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def _run(self) -> None:
+        orphaned = False
+        while not self._stopped.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stopped.is_set():
+                break
+            try:  # a background loop logs and keeps going: one bad write must not stop the beats
+                self._write()
+                if self.control_file:
+                    control = read_control(self.control_file)
+                    if control is not None and control.ckpt_interval:
+                        self.control_interval = int(control.ckpt_interval)
+                if not orphaned and self._supervisor_gone():
+                    orphaned = True
+                    log.warning("supervisor pid %s is gone: stopping at the next step", self.supervisor_pid)
+                    if self.on_orphaned is not None:
+                        self.on_orphaned()
+            except Exception:
+                log.exception("heartbeat write failed; retrying in %.1fs", self.interval_s)

@@ -1,0 +1,273 @@
+"""The library API: five calls that make a torchrun training script resumable under resilient.
+
+    session = Session.start(seed=0)                    # process group, heartbeats, signals
+    state = TrainState(model, optimizer, scheduler)
+    step = session.resume(state)                       # the handed-over checkpoint, or 0
+    while step < total_steps:
+        loss = train_one_step(...)
+        step += 1; state.step = step
+        session.beat(step, loss)                       # agree on stop/NaN across ranks; heartbeat
+        if session.should_save(step):
+            session.save(step, state)
+        if session.stop_requested:
+            break
+    sys.exit(session.finish(step, state))              # final checkpoint; 0, or 75 when preempted
+
+The reference entry point (`python -m train_entry`) is written with exactly these calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from supervisor import store
+from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat, SaveRecord
+from train_entry import dist as dist_util
+from train_entry import signals
+from train_entry.checkpoint import Checkpointer, SavePause
+from train_entry.heartbeat import Beater
+from train_entry.state import TrainState, seed_rank
+
+log = logging.getLogger("train_entry")
+
+DEFAULT_INTERVAL = 50
+DEFAULT_GRACE_S = 25.0  # torchrun's shutdown timeout is 30 s: leave room to exit
+GRACE_MARGIN_S = 2.0
+
+
+def _setup_logging(rank: int) -> None:
+    if logging.getLogger().handlers:
+        return
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+class Session:
+    """One rank's connection to resilient: the handover, the process group, heartbeats and checkpoints."""
+
+    def __init__(self, handover: Handover, ctx: dist_util.DistContext, beater: Beater,
+                 checkpointer: Checkpointer, stop: signals.StopRequest, *, interval: int | None,
+                 seed: int, grace_s: float):
+        self.handover, self.ctx, self.beater, self.ckpt, self.stop = handover, ctx, beater, checkpointer, stop
+        self.interval = interval or DEFAULT_INTERVAL
+        self.seed = seed
+        self.grace_s = grace_s
+        self.stop_requested = False  # agreed by all ranks, at a step boundary
+        self.last_saved_step: int | None = None
+        self.resumed_from: int | None = None
+
+    # ---- start --------------------------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, *, ckpt_dir: str | None = None, ckpt_interval: int | None = None,
+              async_save: bool | None = None, heartbeat_dir: str | None = None,
+              heartbeat_interval_s: float = 1.0, collective_timeout_s: float | None = None,
+              device: str = "auto", seed: int = 0, save_pause: SavePause | None = None) -> Session:
+        """Join the job. What the supervisor handed over (environment) wins over these arguments, which
+        are the settings for a plain `torchrun` launch."""
+        h = Handover.from_env()
+        rank = int(os.environ.get("RANK", 0))
+        _setup_logging(rank)
+        stop = signals.StopRequest()
+        signals.install(stop)
+        dist_util.die_with_parent()
+        hb = Heartbeat(rank=rank, pid=os.getpid(), attempt=h.attempt,
+                       local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                       world_size=int(os.environ.get("WORLD_SIZE", 1)), node=h.node or socket.gethostname(),
+                       started_at=time.time(),
+                       log_dir=os.path.dirname(os.environ.get("TORCHELASTIC_ERROR_FILE", "")) or None,
+                       restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        beater = Beater(hb, h.heartbeat_dir or heartbeat_dir, h.heartbeat_interval_s or heartbeat_interval_s,
+                        step_log=h.step_log if rank == 0 else None,
+                        control_file=h.control_file if rank == 0 else None,
+                        supervisor_pid=h.supervisor_pid, on_orphaned=lambda: stop.set("supervisor gone"))
+        beater.start()
+        ctx = dist_util.init(h.collective_timeout_s or collective_timeout_s or 600.0, device)
+        beater.update(world_size=ctx.world_size)
+        root = h.ckpt_dir or ckpt_dir or "checkpoints"
+        use_async = h.ckpt_async if h.ckpt_async is not None else (True if async_save is None else async_save)
+        ckpt = Checkpointer(root, ctx, async_save=use_async,
+                            on_saved=beater.record_save if ctx.is_main else None, pause=save_pause)
+        interval = h.ckpt_interval if h.supervised else ckpt_interval
+        grace = (h.stop_grace_s or DEFAULT_GRACE_S) - GRACE_MARGIN_S
+        if ctx.is_main:
+            log.info("rank 0 of %d on %s (%s); checkpoints in %s every %s steps (%s)", ctx.world_size,
+                     ctx.device, ctx.backend, root, interval or f"{DEFAULT_INTERVAL} (auto)",
+                     "async" if use_async else "sync")
+        return cls(h, ctx, beater, ckpt, stop, interval=interval, seed=seed, grace_s=grace)
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    # ---- resume -------------------------------------------------------------------------------------
+
+    def _choose_resume_step(self) -> int | None:
+        """The step every rank loads: agreed across ranks (and nodes), and valid on rank 0's view.
+
+        Supervised: each node's supervisor handed over its newest valid step; the ranks take the smallest
+        (a node behind on a lagging filesystem must not resume from a different one). Unsupervised, or
+        after torchrun re-formed the group in place (elastic membership change), rank 0 looks itself.
+        """
+        h = self.handover
+        in_place_restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        mine = h.resume_step if h.supervised and not in_place_restart else None
+        asked: list[Any] = [None] * self.world_size
+        dist.all_gather_object(asked, (h.supervised and not in_place_restart, mine), group=self.ctx.ckpt_group)
+        handed = [step for supervised, step in asked if supervised and step is not None]
+        any_supervised_fresh = any(supervised and step is None for supervised, step in asked)
+        decision: list[Any] = [None]
+        if self.ctx.is_main:
+            if handed:
+                want = min(handed)
+                info = store.inspect(self.ckpt.root / store.step_dirname(want)) \
+                    if (self.ckpt.root / store.step_dirname(want)).is_dir() else None
+                if info is None or not info.valid:
+                    why = info.reason if info else "missing"
+                    info = store.latest_valid(self.ckpt.root, below=want)
+                    log.warning("handed-over step %d is not valid here (%s); using %s", want, why,
+                                info.step if info else "a fresh start")
+                decision[0] = info.step if info else None
+            elif any_supervised_fresh:
+                decision[0] = None
+            else:
+                info = store.latest_valid(self.ckpt.root)
+                decision[0] = info.step if info else None
+        dist.broadcast_object_list(decision, src=0, group=self.ctx.ckpt_group)
+        return decision[0]
+
+    def resume(self, state: TrainState) -> int:
+        """Load the agreed checkpoint into `state` (resharding if the world size changed); return the step
+        to continue from, 0 for a fresh start."""
+        self.beater.set_phase("load", now=True)
+        step = self._choose_resume_step()
+        if step is None:
+            seed_rank(self.seed, self.rank, 0, self.device)
+            if self.ctx.is_main:
+                log.info("no checkpoint to resume from: starting at step 0")
+        else:
+            path = self.ckpt.root / store.step_dirname(step)
+            t0 = time.monotonic()
+            sd = self.ckpt.load(path, lambda keys: state.template(self.rank, keys))
+            state.load(sd, self.rank, self.device, self.seed)
+            if state.step != step:
+                raise RuntimeError(f"{path} holds step {state.step}, expected {step}")
+            if self.ctx.is_main:
+                manifest = store.inspect(path).manifest
+                saved_world = manifest.world_size if manifest else "?"
+                reshard = f", resharded from {saved_world} ranks" if saved_world != self.world_size else ""
+                log.info("resumed from step %d (%s) in %.2fs%s", step, path.name, time.monotonic() - t0,
+                         reshard)
+        self.last_saved_step = step
+        self.resumed_from = step
+        self.beater.update(step=step or 0)
+        self.beater.set_phase("train", now=True)
+        return step or 0
+
+    # ---- every step ---------------------------------------------------------------------------------
+
+    def beat(self, step: int, loss: float | torch.Tensor | None = None, weight: float = 1.0) -> float | None:
+        """Mark `step` done. All ranks agree here, in one small all-reduce, on the mean loss (weighted),
+        on whether to stop (a signal reached any rank), and on the supervisor's checkpoint interval.
+
+        Exits the process with EXIT_NAN (76) when the loss is not finite: nothing of this step is saved.
+        """
+        want_interval = 0.0
+        control = self.beater.control_interval
+        if self.ctx.is_main and control and control != self.interval:
+            want_interval = float(control)
+        value = 0.0 if loss is None else float(loss)
+        t = torch.tensor([value * weight, weight, 1.0 if self.stop else 0.0, want_interval],
+                         dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        mean = None if loss is None else float(t[0] / t[1])
+        if mean is not None and not math.isfinite(mean):
+            self._exit_nan(step, mean)
+        if t[2] > 0 and not self.stop_requested:
+            self.stop_requested = True
+            if self.ctx.is_main:
+                log.warning("stop requested (%s): stopping after step %d", self.stop.reason or "another rank",
+                            step)
+        if t[3] > 0:
+            new = int(t[3])
+            if self.ctx.is_main:
+                log.info("checkpoint interval %d -> %d steps (from the supervisor)", self.interval, new)
+            self.interval = new
+        self.beater.progress(step)
+        return mean
+
+    def should_save(self, step: int) -> bool:
+        if step == self.last_saved_step:
+            return False
+        return self.stop_requested or step % self.interval == 0
+
+    def save(self, step: int, state: TrainState, *, sync: bool | None = None) -> float | None:
+        """Checkpoint `state` as `step`. Async unless `sync` or stopping; returns the seconds training was
+        blocked, or None if skipped (already saved, or a stop whose grace cannot fit a save)."""
+        if step == self.last_saved_step:
+            return None
+        if self.stop_requested and not self._grace_allows():
+            if self.ctx.is_main:
+                log.warning("stopping without a checkpoint of step %d: the grace period is too short", step)
+            return None
+        sync = bool(self.stop_requested) if sync is None else sync
+        self.beater.set_phase("save", now=sync)
+        self.beater.update(saving_step=step)
+        extra = {"samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen}
+        blocking = self.ckpt.save(step, lambda: state.state_dict(self.rank, self.device), sync=sync,
+                                  extra=extra)
+        self.last_saved_step = step
+        self.beater.update(saving_step=self.ckpt.in_flight)
+        self.beater.set_phase("train")
+        return blocking
+
+    def _grace_allows(self) -> bool:
+        if self.stop.at is None:
+            return True
+        left = self.grace_s - (time.monotonic() - self.stop.at)
+        need = self.ckpt.last_save_s or 0.0
+        return left > need
+
+    # ---- the end ------------------------------------------------------------------------------------
+
+    def finish(self, step: int, state: TrainState) -> int:
+        """Save the final step (if not saved yet), wait for the save in flight, say goodbye.
+
+        Returns the exit code: 0 when training ended, EXIT_PREEMPTED (75) when stopped by a signal.
+        """
+        code = EXIT_PREEMPTED if self.stop_requested else 0
+        self.save(step, state, sync=True)
+        self.ckpt.wait()
+        self.beater.stop(phase="exited", exit_code=code, saving_step=None,
+                         exit_reason="preempted" if code else "finished")
+        dist.destroy_process_group()
+        if self.ctx.is_main:
+            log.info("%s at step %d", "preempted" if code else "finished", step)
+        return code
+
+    def _exit_nan(self, step: int, loss: float) -> None:
+        if self.ctx.is_main:
+            log.error("loss is %s at step %d: exiting with code %d; step %d is not saved", loss, step, EXIT_NAN,
+                      step)
+        try:
+            self.ckpt.wait()  # a save of an earlier, finite step may still be in flight: let it land
+        finally:
+            self.beater.stop(phase="exited", exit_code=EXIT_NAN, exit_reason="nan", saving_step=None)
+        sys.exit(EXIT_NAN)

@@ -1,0 +1,106 @@
+"""What a checkpoint holds: model and optimizer (sharded, via get/set_state_dict), LR scheduler, each rank's
+RNG states, and the training position (step, samples and tokens seen)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+def rng_key(rank: int) -> str:
+    # Per-rank values under one shared key would be collapsed to one rank's value on load, so each rank
+    # saves its RNG under its own key. After a world-size change, new ranks have none: see seed_rank().
+    return f"rng.rank{rank}"
+
+
+def rng_state(device: torch.device) -> bytes:
+    bundle: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        bundle["cuda"] = torch.cuda.get_rng_state(device)
+    if "numpy" in sys.modules:
+        bundle["numpy"] = sys.modules["numpy"].random.get_state()
+    return pickle.dumps(bundle)
+
+
+def set_rng_state(blob: bytes, device: torch.device) -> None:
+    bundle = pickle.loads(blob)
+    torch.set_rng_state(bundle["torch"])
+    random.setstate(bundle["python"])
+    if device.type == "cuda" and "cuda" in bundle:
+        torch.cuda.set_rng_state(bundle["cuda"], device)
+    if "numpy" in bundle and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(bundle["numpy"])
+
+
+def seed_rank(seed: int, rank: int, step: int, device: torch.device) -> None:
+    """Seed this rank's RNGs as a function of (seed, rank, step): for a fresh start, and for ranks that
+    have no saved RNG state after the world size grew."""
+    s = (seed * 1_000_003 + rank * 10_007 + step) % (2**63)
+    torch.manual_seed(s)
+    random.seed(s)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(s)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(s % (2**32))
+
+
+@dataclass
+class TrainState:
+    """The resumable state of a training run.
+
+    `extra` holds small JSON values that are the same on every rank (a user's own counters); anything
+    per-rank beyond the RNG belongs in the data position, which is a single global number here.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    step: int = 0
+    samples_seen: int = 0
+    tokens_seen: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def position(self) -> dict[str, Any]:
+        return {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
+                "extra": self.extra}
+
+    def state_dict(self, rank: int, device: torch.device) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        sd: dict[str, Any] = {
+            "model": model_sd,
+            "optim": optim_sd,
+            "train": json.dumps(self.position()),
+            rng_key(rank): rng_state(device),
+        }
+        if self.scheduler is not None:
+            sd["scheduler"] = self.scheduler.state_dict()
+        return sd
+
+    def template(self, rank: int, keys: set[str]) -> dict[str, Any]:
+        """A state dict shaped for DCP to load into: this run's sharding, the checkpoint's optional keys."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "train": ""}
+        if rng_key(rank) in keys:
+            sd[rng_key(rank)] = b""
+        if self.scheduler is not None and any(k.startswith("scheduler.") for k in keys):
+            sd["scheduler"] = self.scheduler.state_dict()
+        return sd
+
+    def load(self, sd: dict[str, Any], rank: int, device: torch.device, seed: int) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        if self.scheduler is not None and "scheduler" in sd:
+            self.scheduler.load_state_dict(sd["scheduler"])
+        pos = json.loads(sd["train"])
+        self.step, self.samples_seen, self.tokens_seen = pos["step"], pos["samples_seen"], pos["tokens_seen"]
+        self.extra = pos.get("extra", {})
+        if rng_key(rank) in sd:
+            set_rng_state(sd[rng_key(rank)], device)
+        else:
+            seed_rank(seed, rank, self.step, device)
