@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ckpt-interval", type=int, default=50)
     p.add_argument("--sync-save", action="store_true", help="block for whole saves (no async)")
     p.add_argument("--heartbeat-dir", default=None)
+    p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     p.add_argument("--collective-timeout-s", type=float, default=600.0)
     # Fault injection for tests and benchmarks.
     t = p.add_argument_group("test hooks")
@@ -105,11 +106,11 @@ class TestHooks:
     def loss_factor(self, step: int) -> float:
         return float("nan") if self.armed and step == self.args.test_nan_at_step else 1.0
 
-    def after_step(self, step: int, ids: range) -> None:
+    def after_step(self, step: int, ids: range, loss: float | None) -> None:
         if self.samples is not None:
-            self.samples.write(json.dumps({"step": step, "rank": self.session.rank, "attempt":
-                                           self.session.handover.attempt, "t": time.time(),
-                                           "ids": [ids.start, ids.stop]}) + "\n")
+            self.samples.write(json.dumps({"step": step, "rank": self.session.rank, "world": self.session.world_size,
+                                           "attempt": self.session.handover.attempt, "t": time.time(),
+                                           "loss": loss, "ids": [ids.start, ids.stop]}) + "\n")
         if self.armed and step == self.args.test_die_at_step:
             raise RuntimeError(f"test hook: injected failure at step {step}")
         if self.args.test_sleep_per_step or self.extra_sleep:
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     session = Session.start(ckpt_dir=args.ckpt_dir, ckpt_interval=args.ckpt_interval,
                             async_save=not args.sync_save, heartbeat_dir=args.heartbeat_dir,
+                            heartbeat_interval_s=args.heartbeat_interval_s,
                             collective_timeout_s=args.collective_timeout_s, device=args.device, seed=args.seed,
                             save_pause=args.test_save_pause)
     state = build(args, session)
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step}/{args.steps} loss {loss:.4f} lr {scheduler.get_last_lr()[0]:.2e} "
                   f"{rate:.1f} steps/s", flush=True)
             t_log, step_log = time.monotonic(), step
-        hooks.after_step(step, ids)
+        hooks.after_step(step, ids, loss)
         if session.should_save(step):
             session.save(step, state)
         if session.stop_requested:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from supervisor import store
-from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat, SaveRecord
+from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat
 from train_entry import dist as dist_util
 from train_entry import signals
 from train_entry.checkpoint import Checkpointer, SavePause

@@ -1,0 +1,219 @@
+"""The training entry point under real torchrun (2 ranks, CPU/gloo), real DCP files and real signals."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from supervisor import store
+from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED
+from tests.proc import Proc, heartbeat, started, torchrun, wait_for
+
+pytestmark = pytest.mark.slow
+
+LAUNCH_TIMEOUT = 120
+
+
+def dcp_tensors(path: Path) -> dict[str, object]:
+    """A whole checkpoint read in this (single) process, flattened: model, optimizer, RNG, position."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict[str, object] = {}
+    _load_state_dict(sd, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    flat: dict[str, object] = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[f"{prefix}{k}"] = v
+
+    walk(sd, "")
+    return flat
+
+
+def assert_same_training_state(a: Path, b: Path) -> None:
+    import torch
+
+    ta, tb = dcp_tensors(a), dcp_tensors(b)
+    assert ta.keys() == tb.keys()
+    tensors = [k for k in ta if k.startswith(("model.", "optim.state.")) and isinstance(ta[k], torch.Tensor)]
+    assert len(tensors) > 20
+    unequal = [k for k in tensors if not torch.equal(ta[k], tb[k])]
+    assert unequal == [], f"{len(unequal)} tensors differ, e.g. {unequal[:3]}"
+    assert json.loads(ta["train"]) == json.loads(tb["train"])
+
+
+def run_to_end(cwd: Path, nproc: int, args: list[str], name: str) -> str:
+    with started(torchrun(nproc, args), cwd, log=cwd / f"{name}.log") as p:
+        rc = p.wait(LAUNCH_TIMEOUT)
+        out = p.output()
+        assert rc == 0, out[-3000:]
+        return out
+
+
+def sample_log(folder: Path) -> list[dict]:
+    rows = []
+    for f in sorted(folder.glob("*.jsonl")):
+        rows += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return rows
+
+
+def max_step(samples: Path) -> int:
+    rows = sample_log(samples) if samples.is_dir() else []
+    return max((r["step"] for r in rows), default=0)
+
+
+def test_sigkill_between_saves_and_plain_relaunch_is_bitwise_exact(tmp_path):
+    """Uninterrupted vs. SIGKILLed twice at random steps and relaunched with plain torchrun."""
+    common = ["--steps", "60", "--ckpt-interval", "10"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight.mkdir(), killed.mkdir()
+    run_to_end(straight, 2, common, "straight")
+
+    rng = random.Random(os.environ.get("RESILIENT_TEST_SEED") or random.randrange(1 << 30))
+    resumed_from = 0
+    for attempt in range(2):
+        target = rng.choice([s for s in range(resumed_from + 3, 55) if s % 10 not in (0, 9)])
+        victim = rng.choice([0, 1])
+        args = [*common, "--heartbeat-dir", "hb", "--heartbeat-interval-s", "0.2",
+                "--test-sleep-per-step", "0.05", "--test-log-samples", "samples"]
+        with started(torchrun(2, args), killed, log=killed / f"attempt{attempt}.log") as p:
+            def reached(target: int = target, p: Proc = p) -> bool:
+                return max_step(killed / "samples") >= target or p.poll() is not None
+
+            wait_for(reached, 90, f"step {target}")
+            assert p.poll() is None, p.output()[-2000:]
+            pid = heartbeat(killed / "hb", victim)["pid"]
+            os.kill(pid, signal.SIGKILL)
+            assert p.wait(60) != 0
+            out = p.output()
+        if attempt:
+            assert f"resumed from step {resumed_from}" in out
+        latest = store.latest_valid(killed / "checkpoints")
+        assert latest is not None and latest.step <= max_step(killed / "samples")
+        resumed_from = latest.step
+    out = run_to_end(killed, 2, common, "final")
+    assert f"resumed from step {resumed_from} " in out
+
+    final_a = store.latest_valid(straight / "checkpoints")
+    final_b = store.latest_valid(killed / "checkpoints")
+    assert final_a.step == final_b.step == 60, "a finished run's newest valid checkpoint is its final step"
+    assert_same_training_state(final_a.path, final_b.path)
+
+
+def test_resharding_2_to_1_to_3_consumes_every_sample_once(tmp_path):
+    batch = 10  # uneven over 3 ranks: 3/3/4
+    base = ["--batch", str(batch), "--ckpt-interval", "5", "--test-log-samples", "samples", "--log-every", "1"]
+    out1 = run_to_end(tmp_path, 2, [*base, "--steps", "20"], "two")
+    out2 = run_to_end(tmp_path, 1, [*base, "--steps", "30"], "one")
+    out3 = run_to_end(tmp_path, 3, [*base, "--steps", "40"], "three")
+    assert "resumed from step 20 (step_000000020)" in out2 and "resharded from 2 ranks" in out2
+    assert "resumed from step 30 (step_000000030)" in out3 and "resharded from 1 ranks" in out3
+
+    rows = sample_log(tmp_path / "samples")
+    assert {r["world"] for r in rows} == {1, 2, 3}
+    ids = collections.Counter()
+    for r in rows:
+        ids.update(range(*r["ids"]))
+    assert ids == collections.Counter(range(40 * batch)), "a sample was repeated or skipped"
+
+    def losses(out: str) -> dict[int, float]:
+        return {int(m[1]): float(m[2]) for m in re.finditer(r"step (\d+)/\d+ loss ([\d.]+)", out)}
+
+    l1, l2, l3 = losses(out1), losses(out2), losses(out3)
+    initial = l1[1]
+    for before, after in ((l1[20], l2[21]), (l2[30], l3[31])):
+        # Training continues: no jump back towards the initial loss.
+        assert after < before + 0.25 * (initial - before), (before, after, initial)
+    assert l3[40] < 0.8 * initial
+
+
+@pytest.mark.parametrize("point, victim", [("mid_data", 1), ("before_marker", 0)])
+def test_sigkill_during_a_save_leaves_no_valid_folder_and_resume_uses_the_previous(tmp_path, point, victim):
+    args = ["--steps", "30", "--ckpt-interval", "10", "--heartbeat-dir", "hb", "--heartbeat-interval-s", "0.2",
+            "--test-save-pause", f"{point}:60@20"]
+    partial = tmp_path / "checkpoints" / store.partial_dirname(20)
+    with started(torchrun(2, args), tmp_path, log=tmp_path / "first.log") as p:
+        if point == "mid_data":
+            # Both ranks' shards are written; DCP's .metadata and our marker are not.
+            wait_for(lambda: (partial / "__1_0.distcp").exists() and "pausing" in p.output(), 90, "the pause")
+            assert not (partial / ".metadata").exists()
+        else:
+            wait_for(lambda: "pausing" in p.output(), 90, "the pause before the marker")
+            assert (partial / ".metadata").exists() and (partial / "__1_0.distcp").exists()
+        assert not (partial / store.MARKER).exists()
+        os.kill(heartbeat(tmp_path / "hb", victim)["pid"], signal.SIGKILL)
+        assert p.wait(60) != 0
+    info = store.inspect(partial)
+    assert info.status is store.Status.INCOMPLETE and not info.valid
+    assert not (tmp_path / "checkpoints" / store.step_dirname(20)).exists()
+    assert store.latest_valid(tmp_path / "checkpoints").step == 10
+    out = run_to_end(tmp_path, 2, ["--steps", "30", "--ckpt-interval", "10"], "second")
+    assert "resumed from step 10 (step_000000010)" in out
+    assert store.inspect(tmp_path / "checkpoints" / store.step_dirname(20)).valid
+
+
+def test_sigterm_exits_preempted_with_a_checkpoint_at_the_stop_step(tmp_path):
+    args = ["--steps", "500", "--ckpt-interval", "100", "--heartbeat-dir", "hb", "--heartbeat-interval-s", "0.2",
+            "--test-sleep-per-step", "0.02"]
+    with started(torchrun(2, args), tmp_path, log=tmp_path / "run.log") as p:
+        wait_for(lambda: (heartbeat(tmp_path / "hb", 1) or {}).get("step", 0) >= 15, 90, "step 15")
+        for rank in (0, 1):  # a preemption reaches every process of the node
+            os.kill(heartbeat(tmp_path / "hb", rank)["pid"], signal.SIGTERM)
+        p.wait(60)
+        out = p.output()
+    hbs = [heartbeat(tmp_path / "hb", r) for r in (0, 1)]
+    assert [hb["exit_code"] for hb in hbs] == [EXIT_PREEMPTED] * 2, out[-2000:]
+    assert f"exitcode  : {EXIT_PREEMPTED}" in out
+    stop_step = hbs[0]["step"]
+    assert hbs[1]["step"] == stop_step and stop_step % 100 != 0
+    latest = store.latest_valid(tmp_path / "checkpoints", deep=True)
+    assert latest is not None and latest.step == stop_step
+
+
+def test_nan_loss_exits_nan_and_never_saves_that_step(tmp_path):
+    args = ["--steps", "40", "--ckpt-interval", "5", "--test-nan-at-step", "13", "--heartbeat-dir", "hb"]
+    with started(torchrun(2, args), tmp_path, log=tmp_path / "run.log") as p:
+        assert p.wait(LAUNCH_TIMEOUT) != 0
+        out = p.output()
+    assert f"exitcode  : {EXIT_NAN}" in out, out[-2000:]
+    assert [heartbeat(tmp_path / "hb", r)["exit_reason"] for r in (0, 1)] == ["nan", "nan"]
+    steps = sorted(int(d.name[5:14]) for d in store.checkpoint_dirs(tmp_path / "checkpoints"))
+    assert steps == [5, 10], steps
+    assert store.latest_valid(tmp_path / "checkpoints").step == 10
+
+
+def test_final_checkpoint_converts_to_a_single_torch_file(tmp_path):
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run_to_end(tmp_path, 2, ["--steps", "12", "--ckpt-interval", "100"], "run")
+    final = store.latest_valid(tmp_path / "checkpoints")
+    assert final.step == 12
+    dcp_to_torch_save(final.path, tmp_path / "model.pt")
+    sd = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert sd["model"]["tok_emb.weight"].shape == (256, 64)
+    assert json.loads(sd["train"])["step"] == 12
+
+
+def test_proc_helper_kills_the_whole_tree(tmp_path):
+    import sys
+
+    code = ("import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)")
+    p = Proc([sys.executable, "-c", code], tmp_path)
+    wait_for(lambda: len(p.alive_descendants()) == 2, 20, "the child")
+    p.kill_all()
+    assert p.alive_descendants() == []
