@@ -143,6 +143,7 @@ class Heartbeat:
     progress_at: float | None = None
     first_step_at: float | None = None
     steps_per_s: float | None = None
+    own_steps_per_s: float | None = None  # steps/s counting only time not spent waiting at the step-end sync
     saving_step: int | None = None  # an async save in flight
     last_save: dict[str, Any] | None = None
     log_dir: str | None = None

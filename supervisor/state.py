@@ -69,6 +69,7 @@ class AttemptRecord:
     step_at_failure: int | None = None
     last_checkpoint_step: int | None = None
     log_dir: str | None = None
+    skipped: list[str] | None = None  # newer checkpoint folders passed over at launch, with the reason
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

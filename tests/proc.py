@@ -41,7 +41,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
@@ -58,7 +58,7 @@ class Proc:
         self.argv = argv
         self.log_path = log or cwd / f"proc-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
-        self.popen = subprocess.Popen(argv, cwd=cwd, env=env or test_env(), stdout=self._log,
+        self.popen = subprocess.Popen(argv, cwd=cwd, env=env or child_env(), stdout=self._log,
                                       stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.popen.pid
         self._seen: dict[int, psutil.Process] = {}

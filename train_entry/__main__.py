@@ -93,8 +93,7 @@ class TestHooks:
 
     def __init__(self, args: argparse.Namespace, session: Session):
         self.args, self.session = args, session
-        attempts = args.test_attempts
-        self.armed = attempts is None or str(session.handover.attempt) in attempts.split(",")
+        self.armed = hooks_armed(args)
         slow = (args.test_slow_rank or "").partition(":")
         self.extra_sleep = float(slow[2]) if slow[2] and int(slow[0]) == session.rank else 0.0
         self.samples = None
@@ -113,8 +112,17 @@ class TestHooks:
                                            "loss": loss, "ids": [ids.start, ids.stop]}) + "\n")
         if self.armed and step == self.args.test_die_at_step:
             raise RuntimeError(f"test hook: injected failure at step {step}")
-        if self.args.test_sleep_per_step or self.extra_sleep:
-            time.sleep(self.args.test_sleep_per_step + self.extra_sleep)
+        if self.args.test_sleep_per_step:
+            time.sleep(self.args.test_sleep_per_step)
+
+    def before_beat(self) -> None:
+        if self.extra_sleep:  # after the step's last collective: the other ranks wait at the step-end sync
+            time.sleep(self.extra_sleep)
+
+
+def hooks_armed(args: argparse.Namespace) -> bool:
+    """Test hooks fire on every attempt unless --test-attempts names some (RESILIENT_ATTEMPT)."""
+    return args.test_attempts is None or os.environ.get("RESILIENT_ATTEMPT", "0") in args.test_attempts.split(",")
 
 
 @record
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                             async_save=not args.sync_save, heartbeat_dir=args.heartbeat_dir,
                             heartbeat_interval_s=args.heartbeat_interval_s,
                             collective_timeout_s=args.collective_timeout_s, device=args.device, seed=args.seed,
-                            save_pause=args.test_save_pause)
+                            save_pause=args.test_save_pause if hooks_armed(args) else None)
     state = build(args, session)
     data = TokenStream(CorpusConfig(vocab_size=args.vocab, seq_len=args.seq_len,
                                     n_sequences=args.corpus_sequences, seed=args.seed + 1234))
@@ -147,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         step += 1
         state.step, state.samples_seen, state.tokens_seen = (step, state.samples_seen + args.batch,
                                                              state.tokens_seen + tokens_per_step)
+        hooks.before_beat()
         loss = session.beat(step, loss_sum.item() / max(1, len(ids) * args.seq_len), weight=len(ids))
         if session.rank == 0 and (step % args.log_every == 0 or step == args.steps):
             rate = (step - step_log) / max(1e-9, time.monotonic() - t_log)

@@ -8,8 +8,10 @@ rank stuck in a collective is still caught, because its `progress_at` stops movi
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +41,7 @@ class Beater:
         self._thread = threading.Thread(target=self._run, name="resilient-heartbeat", daemon=True)
         self._rate_t: float | None = None
         self._rate_step = 0
+        self._own_s = 0.0
 
     # ---- called from the training loop -------------------------------------------------------------
 
@@ -49,6 +52,19 @@ class Beater:
             self.step_log.parent.mkdir(parents=True, exist_ok=True)
         self._write()
         self._thread.start()
+        # A rank that dies of an exception still leaves its last step and the error in its heartbeat.
+        previous_hook = sys.excepthook
+
+        def excepthook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+            self.update(exit_reason=f"{kind.__name__}: {value}"[:500])
+            previous_hook(kind, value, tb)  # type: ignore[arg-type]
+
+        sys.excepthook = excepthook
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        if not self._stopped.is_set():
+            self.stop(phase="exited", exit_reason=self.hb.exit_reason or "exited without finish()")
 
     def set_phase(self, phase: str, *, now: bool = False) -> None:
         with self._lock:
@@ -56,18 +72,24 @@ class Beater:
         if now:
             self._wake.set()
 
-    def progress(self, step: int) -> None:
+    def progress(self, step: int, own_s: float | None = None) -> None:
+        """`step` is done; `own_s` is the part of its time this rank did not spend waiting for the others
+        at the step-end sync (a straggler has a high one: the others wait for it)."""
         t = time.time()
         with self._lock:
             hb = self.hb
             if hb.first_step_at is None:
                 hb.first_step_at = t
             hb.step, hb.progress_at, hb.phase = step, t, "train" if hb.phase != "save" else hb.phase
+            self._own_s += own_s or 0.0
             if self._rate_t is None:
-                self._rate_t, self._rate_step = t, step
+                self._rate_t, self._rate_step, self._own_s = t, step, 0.0
             elif t - self._rate_t >= 2.0:
-                hb.steps_per_s = round((step - self._rate_step) / (t - self._rate_t), 3)
-                self._rate_t, self._rate_step = t, step
+                steps = step - self._rate_step
+                hb.steps_per_s = round(steps / (t - self._rate_t), 3)
+                if own_s is not None and self._own_s > 0:
+                    hb.own_steps_per_s = round(steps / self._own_s, 3)
+                self._rate_t, self._rate_step, self._own_s = t, step, 0.0
             if self.step_log:
                 self._lines.append(step_line(step, t))
 

@@ -64,6 +64,7 @@ class Session:
         self.stop_requested = False  # agreed by all ranks, at a step boundary
         self.last_saved_step: int | None = None
         self.resumed_from: int | None = None
+        self._last_beat: float | None = None
 
     # ---- start --------------------------------------------------------------------------------------
 
@@ -196,7 +197,11 @@ class Session:
         value = 0.0 if loss is None else float(loss)
         t = torch.tensor([value * weight, weight, 1.0 if self.stop else 0.0, want_interval],
                          dtype=torch.float64, device=self.device)
+        arrived = time.monotonic()
         dist.all_reduce(t)
+        done = time.monotonic()
+        own_s = None if self._last_beat is None else (done - self._last_beat) - (done - arrived)
+        self._last_beat = done
         mean = None if loss is None else float(t[0] / t[1])
         if mean is not None and not math.isfinite(mean):
             self._exit_nan(step, mean)
@@ -210,7 +215,7 @@ class Session:
             if self.ctx.is_main:
                 log.info("checkpoint interval %d -> %d steps (from the supervisor)", self.interval, new)
             self.interval = new
-        self.beater.progress(step)
+        self.beater.progress(step, own_s)
         return mean
 
     def should_save(self, step: int) -> bool:

@@ -1,11 +1,91 @@
-"""`resilient run JOB.yaml`: placeholder until the supervisor lands."""
+"""`resilient run JOB.yaml`: validate, lock the run dir, reap leftovers of a dead supervisor, supervise."""
 
 from __future__ import annotations
 
-from supervisor.config import load_job
-from supervisor.errors import ResilientError
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import sys
+import time
+
+import psutil
+
+from supervisor import state
+from supervisor.config import JobConfig, load_job
+from supervisor.console import EventConsole
+from supervisor.errors import ConfigError
+from supervisor.layout import RunLayout
+from supervisor.lock import RunLock
+
+
+def check_entrypoint(cfg: JobConfig) -> None:
+    """An entry module that cannot be imported is a configuration error: exit 2, nothing launched."""
+    module = cfg.entrypoint.module
+    if not module:
+        return
+    sys.path.insert(0, os.getcwd())  # torchrun's `-m` workers see the current folder too
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        sys.path.pop(0)
+    if not found:
+        where = f"{cfg.source}: " if cfg.source else ""
+        raise ConfigError(f"{where}entrypoint.module {module!r} cannot be imported by {sys.executable}; "
+                          "install it or fix the name.")
+
+
+def node_name(cfg: JobConfig, node: str | None) -> str | None:
+    """None for a single-node job (files directly in the run dir); else this node's name."""
+    name = node or os.environ.get("RESILIENT_NODE")
+    if name is None and cfg.nnodes == "1":
+        return None
+    return name or socket.gethostname()
+
+
+def reap_orphans(layout: RunLayout, cfg: JobConfig, console: EventConsole) -> None:
+    """Ranks left running by a supervisor that died (its lock is ours now): stop them before relaunching."""
+    try:
+        prev = state.read(layout.state_file)
+    except state.StateFileError:
+        return
+    markers = [m for m in (cfg.entrypoint.module, str(cfg.entrypoint.script or ""), "torch.distributed.run") if m]
+    procs = []
+    for r in prev.ranks:
+        with contextlib.suppress(psutil.Error, KeyError, TypeError):
+            p = psutil.Process(int(r["pid"]))
+            if any(m in " ".join(p.cmdline()) for m in markers):
+                procs.append(p)
+    if not procs:
+        return
+    console.event(f"stopping {len(procs)} rank(s) left by a previous supervisor: {[p.pid for p in procs]}",
+                  style="yellow")
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=cfg.stop_timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
 
 
 def main(job: str, overrides: list[str], node: str | None) -> int:
-    load_job(job, overrides)
-    raise ResilientError("resilient run is not implemented yet.")
+    from supervisor.supervise import Supervisor
+
+    cfg = load_job(job, overrides)
+    check_entrypoint(cfg)
+    layout = RunLayout(cfg.run_dir, node_name(cfg, node))
+    with RunLock(layout.node_dir):
+        console = EventConsole(cfg.name)
+        reap_orphans(layout, cfg, console)
+        sup = Supervisor(cfg, layout, console=console)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: sup.request_stop(signum))
+        started = time.monotonic()
+        code = sup.run()
+        console.event(f"supervisor exiting with code {int(code)} after {time.monotonic() - started:.1f}s")
+        return code

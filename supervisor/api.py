@@ -1,0 +1,77 @@
+"""The supervisor's vocabulary: what one attempt is asked to do, what it turned out to be, and what comes
+next (spec → outcome → decision), as plain dataclasses shared by the loop, the launcher and the policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor.state import RunState
+
+# Reasons an attempt ends (status --json "reason"). The text form adds the detail.
+FINISHED = "finished"
+WORKER_EXIT = "worker_exit"
+WORKER_SIGNAL = "worker_signal"
+HANG = "hang"
+COLLECTIVE_TIMEOUT = "collective_timeout"
+OOM = "oom"
+NAN = "nan"
+PREEMPTED = "preempted"
+NODE_LOST = "node_lost"
+CONFIG = "config"
+CHECKPOINT_FAILED = "checkpoint_failed"
+LAUNCHER_DIED = "launcher_died"
+STOPPED = "stopped"  # the supervisor itself was asked to stop (SIGTERM/SIGINT)
+
+RETRYABLE = frozenset({WORKER_EXIT, WORKER_SIGNAL, HANG, COLLECTIVE_TIMEOUT, OOM, PREEMPTED, NODE_LOST,
+                       CHECKPOINT_FAILED, LAUNCHER_DIED})
+
+
+@dataclass(frozen=True)
+class AttemptSpec:
+    """One launch: which attempt, where its files go, what it resumes from."""
+
+    attempt: int
+    resume_step: int | None
+    resume_path: Path | None
+    logs_dir: Path
+    heartbeat_dir: Path
+    step_log: Path
+    control_file: Path
+
+
+@dataclass
+class AttemptOutcome:
+    """How an attempt ended: who failed first, why, at which step."""
+
+    reason: str
+    detail: str
+    failed_rank: int | None = None
+    exit_code: int | None = None
+    step: int | None = None  # the step training had reached (newest heartbeat) when it ended
+    log_hint: str | None = None  # the file to look at first
+
+    @property
+    def retryable(self) -> bool:
+        return self.reason in RETRYABLE
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the policy says after a failed attempt."""
+
+    relaunch: bool
+    wait_s: float = 0.0
+    resume_below: int | None = None  # resume from the newest valid checkpoint strictly below this step
+    final_state: RunState | None = None
+    message: str = ""
+    counts_as_restart: bool = True
+
+
+@dataclass
+class ResumeChoice:
+    """The checkpoint handed to the next attempt, and the newer folders passed over (with reasons)."""
+
+    step: int | None
+    path: Path | None
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (folder name, why)

@@ -1,0 +1,178 @@
+"""Why did an attempt end? Read torchrun's failure summary, the ranks' last heartbeats and their logs.
+
+torchrun exits 1 for every worker failure, so the cause comes from elsewhere: the "Root Cause" block of its
+summary (rank, exit code, signal, error file), the exit code and reason each rank wrote in its last
+heartbeat when it ended on its own, and signatures in the failed rank's log (collective timeouts, OOM,
+import errors). Pure functions over text and records: unit-tested on captured output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor import api
+from supervisor.api import AttemptOutcome
+from supervisor.protocol import EXIT_CONFIG, EXIT_NAN, EXIT_PREEMPTED, Heartbeat
+
+_BLOCK = re.compile(
+    r"rank\s*:\s*(?P<rank>-?\d+)\s*\(local_rank:\s*(?P<local>\d+)\)\s*\n"
+    r"\s*exitcode\s*:\s*(?P<code>-?\d+)\s*\(pid:\s*(?P<pid>\d+)\)[^\n]*\n"
+    r"\s*error_file\s*:\s*(?P<error_file>[^\n]*)\n"
+    r"\s*traceback\s*:\s*(?P<traceback>[^\n]*)"
+)
+ROOT_CAUSE = "Root Cause (first observed failure):"
+
+COLLECTIVE_TIMEOUT = re.compile(
+    r"Watchdog caught collective operation timeout|Timed out waiting \d+ms for (?:recv|send)|"
+    r"ProcessGroupNCCL.*[Tt]imeout|DistBackendError.*[Tt]imed? ?out|NCCL communicator was aborted|"
+    r"collective operation timeout"
+)
+OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|\bMemoryError\b|Cannot allocate memory")
+CONFIG = re.compile(
+    r"ModuleNotFoundError|ImportError|SyntaxError|No module named|can't open file|"
+    r"error: (?:unrecognized arguments|argument|the following arguments are required)"
+)
+NODE_LOST = re.compile(r"RendezvousConnectionError|RendezvousClosedError|RendezvousTimeoutError|"
+                       r"DistStoreError|Connection closed by peer|Broken pipe|Connection reset by peer")
+CHECKPOINT = re.compile(r"checkpoint save failed|No space left on device")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One entry of torchrun's failure summary."""
+
+    rank: int
+    local_rank: int
+    exit_code: int
+    pid: int
+    error_file: str | None
+    traceback: str
+
+
+def parse_summary(text: str) -> tuple[Failure | None, list[Failure]]:
+    """(root cause, all failures) from torchrun's output; (None, []) if it printed no summary."""
+
+    def parse(chunk: str) -> list[Failure]:
+        out = []
+        for m in _BLOCK.finditer(chunk):
+            ef = m["error_file"].strip()
+            out.append(Failure(int(m["rank"]), int(m["local"]), int(m["code"]), int(m["pid"]),
+                               None if ef in ("", "<N/A>") else ef, m["traceback"].strip()))
+        return out
+
+    head, sep, tail = text.rpartition(ROOT_CAUSE)
+    if not sep:
+        return None, parse(text)
+    roots = parse(tail)
+    return (roots[0] if roots else None), parse(head) + roots
+
+
+def error_message(path: str | None) -> str | None:
+    """The exception message @record wrote in a rank's error.json."""
+    if not path:
+        return None
+    try:
+        doc = json.loads(Path(path).read_text())
+        msg = doc.get("message", {})
+        if isinstance(msg, dict):
+            msg = msg.get("message", "")
+        return str(msg).strip() or None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def tail(path: Path | None, limit: int = 20_000) -> str:
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
+             rank_log: dict[int, str] | None = None, oom_killed: bool = False) -> AttemptOutcome:
+    """The outcome of an attempt that ended on its own (not stopped by the supervisor).
+
+    Args:
+        rc: torchrun's exit code.
+        torchrun_output: torchrun's own stdout/stderr (with its failure summary).
+        heartbeats: every rank's last heartbeat.
+        rank_log: the tail of each rank's stderr, by global rank.
+        oom_killed: the kernel's OOM killer fired in our cgroup during the attempt.
+    """
+    rank_log = rank_log or {}
+    step = max((hb.step for hb in heartbeats.values()), default=None)
+    if rc == 0:
+        return AttemptOutcome(api.FINISHED, "all ranks finished", exit_code=0, step=step)
+    root, failures = parse_summary(torchrun_output)
+    # A rank that ended on its own said why in its last heartbeat; the first such exit is the cause.
+    said = sorted((hb for hb in heartbeats.values() if hb.exit_code not in (None, 0)), key=lambda hb: hb.time)
+    if root is None and said:
+        hb = said[0]
+        root = Failure(hb.rank, hb.local_rank, hb.exit_code, hb.pid, None, "")
+    if root is None:
+        if rc < 0 or rc == 137:
+            what = signal_name(rc) if rc < 0 else "SIGKILL"
+            return AttemptOutcome(api.LAUNCHER_DIED, f"torchrun itself was killed ({what})", exit_code=rc, step=step)
+        text = torchrun_output[-20_000:]
+        if NODE_LOST.search(text):
+            return AttemptOutcome(api.NODE_LOST, f"rendezvous failed: {_last_line(text)}", exit_code=rc, step=step)
+        if CONFIG.search(text):
+            return AttemptOutcome(api.CONFIG, _last_line(text), exit_code=rc, step=step)
+        return AttemptOutcome(api.WORKER_EXIT, f"torchrun exited with code {rc}: {_last_line(text)}",
+                              exit_code=rc, step=step)
+
+    # Peers of a killed rank fail moments later with "connection reset"; torchrun may see them first.
+    killed = [f for f in failures if f.exit_code < 0]
+    if killed and root.exit_code >= 0 and NODE_LOST.search(
+            (error_message(root.error_file) or "") + root.traceback + rank_log.get(root.rank, "")):
+        root = killed[0]
+    rank, code = root.rank, root.exit_code
+    message = error_message(root.error_file) or ""
+    log_text = rank_log.get(rank, "")
+    evidence = "\n".join((message, root.traceback, log_text))
+    where = f"rank {rank}"
+    if code == EXIT_PREEMPTED:
+        return AttemptOutcome(api.PREEMPTED, f"{where} was preempted (SIGTERM) and exited with code {code}",
+                              rank, code, step)
+    if code == EXIT_NAN:
+        return AttemptOutcome(api.NAN, f"{where} saw a non-finite loss near step {step}", rank, code, step)
+    trained = any(hb.first_step_at is not None for hb in heartbeats.values())
+    if code == EXIT_CONFIG or (not trained and CONFIG.search(evidence)):
+        detail = _last_line(message or log_text) or f"exit code {code}"
+        return AttemptOutcome(api.CONFIG, f"{where}: {detail}", rank, code, step)
+    if code < 0:
+        if code == -signal.SIGKILL and oom_killed:
+            return AttemptOutcome(api.OOM, f"{where} was killed by the kernel's OOM killer", rank, code, step)
+        return AttemptOutcome(api.WORKER_SIGNAL, f"{where} killed by {signal_name(code)}", rank, code, step)
+    if COLLECTIVE_TIMEOUT.search(evidence):
+        return AttemptOutcome(api.COLLECTIVE_TIMEOUT,
+                              f"{where}: collective timed out: {_last_line(message) or _last_line(log_text)}",
+                              rank, code, step)
+    if OOM.search(evidence):
+        return AttemptOutcome(api.OOM, f"{where} ran out of memory: {_last_line(message)}", rank, code, step)
+    if CHECKPOINT.search(evidence):
+        return AttemptOutcome(api.CHECKPOINT_FAILED, f"{where}: {_last_line(message or log_text)}", rank, code,
+                              step)
+    detail = _last_line(message) or _last_line(log_text) or "no message"
+    return AttemptOutcome(api.WORKER_EXIT, f"{where} exited with code {code}: {detail}", rank, code, step)

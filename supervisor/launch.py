@@ -1,0 +1,169 @@
+"""Launching torchrun for one attempt, and stopping it so that no process outlives the attempt.
+
+torchrun runs in its own session (one process group for it and its workers) with a parent-death signal,
+so a supervisor killed with -9 still takes its job down: torchrun gets SIGTERM, forwards it, and the ranks
+checkpoint and exit. Stopping is SIGTERM to the group → a deadline → SIGKILL to the group and to every
+descendant ever seen (psutil), then a check that none is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import psutil
+
+from supervisor.api import AttemptSpec
+from supervisor.config import JobConfig
+from supervisor.protocol import Handover
+
+log = logging.getLogger("resilient")
+
+
+def torchrun_argv(cfg: JobConfig, spec: AttemptSpec, *, python: str = sys.executable,
+                  max_restarts: int = 0) -> list[str]:
+    """The exact torchrun command line for one attempt.
+
+    Args:
+        cfg: the job.
+        spec: the attempt (its log folder).
+        python: the interpreter that runs torchrun and the workers.
+        max_restarts: torchrun's own restarts. 0 where the supervisor owns restarts; elastic jobs pass more,
+            because only torchrun can re-form the group in place when a node leaves or joins.
+    """
+    argv = [python, "-m", "torch.distributed.run",
+            "--nnodes", cfg.nnodes, "--nproc-per-node", cfg.nproc_per_node]
+    if cfg.rdzv.endpoint is None:
+        argv += ["--standalone"]  # one node, a free port chosen by torchrun's own store
+    else:
+        argv += ["--rdzv-backend", cfg.rdzv.backend, "--rdzv-endpoint", cfg.rdzv.endpoint,
+                 "--rdzv-id", cfg.rdzv.id]
+        if cfg.rdzv.conf:
+            argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in cfg.rdzv.conf.items())]
+    argv += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
+             "--shutdown-timeout", str(int(cfg.stop_timeout_s)),
+             "--log-dir", str(spec.logs_dir / "ranks"), "--redirects", "3"]
+    if cfg.entrypoint.module:
+        argv += ["-m", cfg.entrypoint.module]
+    else:
+        argv += [str(cfg.entrypoint.script)]
+    return argv + list(cfg.entrypoint.args)
+
+
+def worker_env(cfg: JobConfig, handover: Handover, base: dict[str, str] | None = None) -> dict[str, str]:
+    """torchrun's environment: ours, the job's `env`, and the handover (which wins)."""
+    env = dict(os.environ if base is None else base)
+    env.update(cfg.env)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # Stale keys in a shared rendezvous store made torchrun's in-place restarts hang (pytorch#135712).
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env.update(handover.to_env())
+    return env
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class TorchrunProcess:
+    """One running torchrun and everything under it."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None):
+        self.argv = argv
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 (closed in close())
+        self.popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=self._log,
+                                      stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=_die_with_parent)
+        self.pid = self.popen.pid
+        self.started = time.monotonic()
+        self._known: dict[int, psutil.Process] = {}
+        self.track()
+
+    # ---- watching -----------------------------------------------------------------------------------
+
+    def track(self, extra_pids: Iterable[int] = ()) -> None:
+        """Remember every descendant (and the ranks' pids from their heartbeats): after torchrun dies its
+        workers are reparented, and we must still be able to find and end them."""
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self.pid)
+            for p in [root, *root.children(recursive=True)]:
+                self._known.setdefault(p.pid, p)
+        for pid in extra_pids:
+            if pid not in self._known:
+                with contextlib.suppress(psutil.Error):
+                    p = psutil.Process(pid)
+                    if p.create_time() >= root_create_time(self) - 1:
+                        self._known[pid] = p
+
+    def wait(self, timeout: float) -> int | None:
+        """torchrun's exit code, or None if it is still running after `timeout` seconds."""
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def alive(self) -> list[psutil.Process]:
+        """Known processes still running (zombies excluded)."""
+        out = []
+        for p in self._known.values():
+            with contextlib.suppress(psutil.Error):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+        return out
+
+    # ---- stopping -----------------------------------------------------------------------------------
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+        for p in self.alive():  # anything that left the group
+            with contextlib.suppress(psutil.Error):
+                if os.getpgid(p.pid) != self.pid:
+                    p.send_signal(sig)
+
+    def stop(self, grace_s: float) -> list[int]:
+        """SIGTERM everything, wait up to `grace_s` for torchrun to exit (the ranks checkpoint meanwhile),
+        then SIGKILL whatever is left. Returns the pids that survived even SIGKILL (should be none)."""
+        self.track()
+        if self.poll() is None or self.alive():
+            self.signal_group(signal.SIGTERM)
+            self.signal_group(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and (self.poll() is None or self.alive()):
+                self.wait(0.1)
+                self.track()
+        survivors = self.alive()
+        if survivors:
+            self.signal_group(signal.SIGKILL)
+            for p in survivors:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            _, survivors = psutil.wait_procs(survivors, timeout=10)
+        self.wait(5)
+        return [p.pid for p in survivors]
+
+    def close(self) -> None:
+        self._log.close()
+
+
+def root_create_time(proc: TorchrunProcess) -> float:
+    try:
+        return psutil.Process(proc.pid).create_time()
+    except psutil.Error:
+        return time.time() - (time.monotonic() - proc.started)

@@ -1,0 +1,70 @@
+"""The restart policy: after a failed attempt, relaunch (after how long, from where) or stop, and why.
+
+- configuration and import errors stop at once: retrying cannot help;
+- a `nan` exit rolls back once to the valid checkpoint before the newest, then stops;
+- `crash_loop_attempts` consecutive failures without a new valid checkpoint stop as a crash loop;
+- `max_restarts` relaunches at most; preemptions the supervisor itself asked for do not count;
+- backoff doubles per consecutive failure without progress, up to `max_backoff_s`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from supervisor import api
+from supervisor.api import AttemptOutcome, Decision
+from supervisor.config import RestartConfig
+from supervisor.state import RunState
+
+
+@dataclass
+class RestartPolicy:
+    cfg: RestartConfig
+    restarts: int = 0
+    no_progress: int = 0  # consecutive failed attempts that committed no new valid checkpoint
+    nan_rollbacks: int = 0
+    failures: list[AttemptOutcome] = field(default_factory=list)
+
+    def decide(self, outcome: AttemptOutcome, *, progressed: bool, newest_valid: int | None,
+               older_valid: int | None) -> Decision:
+        """Decide after a failed attempt.
+
+        Args:
+            outcome: how the attempt ended.
+            progressed: it committed a valid checkpoint newer than the one it started from.
+            newest_valid: the newest valid checkpoint now.
+            older_valid: the newest valid checkpoint below `newest_valid` (a NaN rollback target).
+        """
+        self.failures.append(outcome)
+        self.no_progress = 0 if progressed else self.no_progress + 1
+        if outcome.reason == api.CONFIG:
+            return self._stop(f"a configuration or import error, which a restart cannot fix: {outcome.detail}")
+        resume_below = None
+        if outcome.reason == api.NAN:
+            if self.nan_rollbacks >= 1:
+                return self._stop(f"the loss became non-finite again after a rollback: {outcome.detail}")
+            if older_valid is None:
+                return self._stop(f"the loss became non-finite and there is no earlier valid checkpoint to roll "
+                                  f"back to: {outcome.detail}")
+            self.nan_rollbacks += 1
+            resume_below = newest_valid
+        elif not outcome.retryable:
+            return self._stop(f"{outcome.reason} is not retryable: {outcome.detail}")
+        if self.no_progress >= self.cfg.crash_loop_attempts:
+            recent = self.failures[-self.no_progress:]
+            steps = sorted({o.step for o in recent if o.step is not None})
+            at = f"at step {steps[0]}" if len(steps) == 1 else f"at steps {', '.join(map(str, steps))}"
+            return self._stop(f"crash loop: {self.no_progress} consecutive attempts made no new valid checkpoint, "
+                              f"failing {at} ({outcome.reason}: {outcome.detail})")
+        if self.restarts >= self.cfg.max_restarts:
+            return self._stop(f"the restart budget is spent ({self.restarts}/{self.cfg.max_restarts} restarts); "
+                              f"the last failure: {outcome.reason}: {outcome.detail}")
+        self.restarts += 1
+        wait = min(self.cfg.max_backoff_s, self.cfg.backoff_s * (2 ** max(0, self.no_progress - 1)))
+        left = self.cfg.max_restarts - self.restarts
+        return Decision(True, wait_s=wait, resume_below=resume_below,
+                        message=f"restart {self.restarts}/{self.cfg.max_restarts} ({left} left) in {wait:.1f}s")
+
+    @staticmethod
+    def _stop(message: str) -> Decision:
+        return Decision(False, final_state=RunState.FAILED, message=message)

@@ -1,0 +1,380 @@
+"""The supervision loop: choose a checkpoint, launch, watch, classify, decide, relaunch.
+
+    while True:
+        choice  = newest valid checkpoint (checked as the job says; newer folders skipped with reasons)
+        handle  = launch torchrun for attempt k, handing `choice` to the ranks
+        outcome = watch until torchrun exits, a rank hangs, or we are told to stop
+        decision = finished? stopped? else the restart policy
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from supervisor import __version__, api, classify, evidence, retention, state, store
+from supervisor.api import AttemptOutcome, AttemptSpec, ResumeChoice
+from supervisor.config import JobConfig
+from supervisor.console import EventConsole
+from supervisor.errors import ExitCode
+from supervisor.fsutil import atomic_write_json
+from supervisor.layout import RunLayout
+from supervisor.protocol import Handover, Heartbeat, SaveRecord, StepLogReader, StepRecord, read_heartbeats
+from supervisor.state import AttemptRecord, RunRecord, RunState
+from supervisor.watch import RankWatch
+
+log = logging.getLogger("resilient")
+
+POLL_S = 0.5  # heartbeats and step log; torchrun's exit wakes the loop at once
+STATE_EVERY_S = 1.0
+HANG_STOP_GRACE_S = 5.0  # a hung rank cannot checkpoint: do not wait long for it
+
+
+class AttemptHandle(Protocol):
+    """What the loop needs from a launched attempt (TorchrunProcess, or a fake in unit tests)."""
+
+    log_path: Path
+
+    def wait(self, timeout: float) -> int | None: ...
+    def track(self, extra_pids: Any = ()) -> None: ...
+    def signal_group(self, sig: int) -> None: ...
+    def stop(self, grace_s: float) -> list[int]: ...
+    def close(self) -> None: ...
+
+
+Launcher = Callable[[JobConfig, AttemptSpec, Handover], AttemptHandle]
+
+
+def torchrun_launcher(cfg: JobConfig, spec: AttemptSpec, handover: Handover) -> AttemptHandle:
+    from supervisor.launch import TorchrunProcess, torchrun_argv, worker_env
+
+    argv = torchrun_argv(cfg, spec)
+    return TorchrunProcess(argv, worker_env(cfg, handover), spec.logs_dir / "torchrun.log",
+                           cwd=cfg.source.parent if cfg.source else None)
+
+
+def oom_kills() -> int | None:
+    """The kernel OOM killer's count for our cgroup (v2), to tell an OOM kill from any other SIGKILL."""
+    try:
+        rel = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
+        for line in (Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.events").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def choose_resume(root: Path, verify: str, below: int | None = None) -> ResumeChoice:
+    """The newest valid checkpoint (strictly below `below` if given), and why newer folders were skipped."""
+    skipped: list[tuple[str, str]] = []
+    if not root.is_dir():
+        return ResumeChoice(None, None, skipped)
+    for path in reversed(store.checkpoint_dirs(root)):
+        info = store.inspect(path, deep=verify == "checksum" and not path.name.endswith(store.PARTIAL_SUFFIX))
+        if below is not None and info.step >= below:
+            if info.valid:
+                skipped.append((path.name, f"rolled back past it (a non-finite loss followed step {below})"))
+            continue
+        if info.valid:
+            return ResumeChoice(info.step, info.path, skipped)
+        skipped.append((path.name, f"{info.status.value}: {info.reason}"))
+    return ResumeChoice(None, None, skipped)
+
+
+class Supervisor:
+    def __init__(self, cfg: JobConfig, layout: RunLayout, *, launcher: Launcher = torchrun_launcher,
+                 console: EventConsole | None = None, clock: Callable[[], float] = time.monotonic):
+        from supervisor.policy import RestartPolicy
+
+        self.cfg, self.layout, self.launcher = cfg, layout, launcher
+        self.console = console or EventConsole(cfg.name)
+        self.clock = clock
+        self.policy = RestartPolicy(cfg.restart)
+        self.stop_signal: int | None = None
+        self._wake = threading.Event()
+        self.record = self._load_record()
+        self._last_state_write = 0.0
+
+    # ---- the record -------------------------------------------------------------------------------
+
+    def _load_record(self) -> RunRecord:
+        prev: RunRecord | None = None
+        if self.layout.state_file.is_file():
+            with contextlib.suppress(state.StateFileError):
+                prev = state.read(self.layout.state_file)
+        rec = RunRecord(name=self.cfg.name, run_dir=str(self.cfg.run_dir), checkpoint_dir=str(self.cfg.checkpoint.dir),
+                        node=self.layout.node, max_restarts=self.cfg.restart.max_restarts)
+        if prev is not None:  # a rerun keeps the history, so status tells the whole story
+            rec.history, rec.step, rec.last_checkpoint_step = prev.history, prev.step, prev.last_checkpoint_step
+            rec.accounting = prev.accounting
+        rec.supervisor = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time(),
+                          "version": __version__}
+        return rec
+
+    def save_state(self, force: bool = True) -> None:
+        now = self.clock()
+        if force or now - self._last_state_write >= STATE_EVERY_S:
+            state.write(self.layout.state_file, self.record)
+            self._last_state_write = now
+
+    def _transition(self, new: RunState) -> None:
+        self.record.transition(new)
+        self.save_state()
+
+    # ---- signals ----------------------------------------------------------------------------------
+
+    def request_stop(self, signum: int) -> None:
+        """From a signal handler: stop gracefully (the ranks checkpoint), then exit 143/130."""
+        self.stop_signal = signum
+        self._wake.set()
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.layout.node_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.layout.job_file, {"schema_version": 1, "job": self.cfg.to_dict()}, durable=False)
+        self.save_state()
+        resume_below: int | None = None
+        while True:
+            if self.stop_signal is not None:
+                return self._stopped(None)
+            choice = choose_resume(self.cfg.checkpoint.dir, self.cfg.checkpoint.verify, resume_below)
+            spec = self._next_spec(choice)
+            outcome = self._run_attempt(spec, choice)
+            if outcome.reason == api.FINISHED:
+                self._transition(RunState.SUCCEEDED)
+                self.console.event(f"finished at step {outcome.step} after {len(self.record.history)} attempt(s), "
+                                   f"{self.record.restarts} restart(s)", style="green")
+                return ExitCode.OK
+            if outcome.reason == api.STOPPED:
+                return self._stopped(outcome)
+            newest = store.latest_valid(self.cfg.checkpoint.dir)
+            older = store.latest_valid(self.cfg.checkpoint.dir, below=newest.step) if newest else None
+            progressed = newest is not None and (choice.step is None or newest.step > choice.step)
+            decision = self.policy.decide(outcome, progressed=progressed, newest_valid=newest.step if newest else None,
+                                          older_valid=older.step if older else None)
+            if not decision.relaunch:
+                return self._failed(decision.message, outcome, spec)
+            self.record.restarts = self.policy.restarts
+            self._transition(RunState.RESTARTING)
+            resume_below = decision.resume_below
+            if resume_below is not None:
+                self.console.event(f"rolling back: resuming below step {resume_below} once", style="yellow")
+            self.console.event(decision.message, style="yellow")
+            if self._wake.wait(decision.wait_s):
+                self._wake.clear()
+
+    def _next_spec(self, choice: ResumeChoice) -> AttemptSpec:
+        attempt = (self.record.history[-1].attempt + 1) if self.record.history else 1
+        logs = self.layout.logs_dir(attempt)
+        return AttemptSpec(attempt, choice.step, choice.path, logs, self.layout.heartbeat_dir(attempt),
+                           self.layout.step_log(attempt), self.layout.node_dir / "control.json")
+
+    def _handover(self, spec: AttemptSpec) -> Handover:
+        c = self.cfg
+        return Handover(
+            run_dir=str(c.run_dir), node=self.layout.node, attempt=spec.attempt, ckpt_dir=str(c.checkpoint.dir),
+            ckpt_interval=c.checkpoint.interval_steps, ckpt_async=c.checkpoint.async_save,
+            resume_step=spec.resume_step, resume_path=str(spec.resume_path) if spec.resume_path else None,
+            heartbeat_dir=str(spec.heartbeat_dir), heartbeat_interval_s=c.heartbeat.interval_s,
+            step_log=str(spec.step_log), control_file=str(spec.control_file),
+            collective_timeout_s=c.collective_timeout_s, stop_grace_s=c.stop_timeout_s, supervisor_pid=os.getpid())
+
+    def _announce(self, spec: AttemptSpec, choice: ResumeChoice) -> None:
+        for name, why in choice.skipped:
+            self.console.event(f"skipping {name}: {why}", style="yellow")
+        start = f"resuming from step {choice.step} ({choice.path.name})" if choice.path else "starting fresh"
+        self.console.event(f"attempt {spec.attempt}: launching {self.cfg.nnodes}×{self.cfg.nproc_per_node} ranks, "
+                           f"{start}; logs in {spec.logs_dir}")
+
+    def _run_attempt(self, spec: AttemptSpec, choice: ResumeChoice) -> AttemptOutcome:
+        for d in (spec.logs_dir, spec.heartbeat_dir, spec.step_log.parent):
+            d.mkdir(parents=True, exist_ok=True)
+        if choice.skipped:
+            (spec.logs_dir / "resume.json").write_text(json.dumps(
+                {"resume_step": choice.step, "skipped": [{"folder": n, "why": w} for n, w in choice.skipped]},
+                indent=2) + "\n")
+        self._announce(spec, choice)
+        rec = AttemptRecord(attempt=spec.attempt, started_at=time.time(), resumed_from_step=choice.step,
+                            log_dir=str(spec.logs_dir),
+                            skipped=[f"{n}: {w}" for n, w in choice.skipped] or None)
+        self.record.history.append(rec)
+        self.record.attempt = spec.attempt
+        self._transition(RunState.RUNNING)
+        oom_before = oom_kills()
+        handle = self.launcher(self.cfg, spec, self._handover(spec))
+        try:
+            outcome = self._watch(spec, handle, rec, oom_before)
+        finally:
+            survivors = handle.stop(grace_s=HANG_STOP_GRACE_S)
+            if survivors:
+                self.console.event(f"processes survived SIGKILL: {survivors}", style="red")
+            handle.close()
+        rec.ended_at = time.time()
+        rec.reason, rec.detail, rec.failed_rank = outcome.reason, outcome.detail, outcome.failed_rank
+        rec.exit_code, rec.step_at_failure = outcome.exit_code, None if outcome.reason == api.FINISHED else outcome.step
+        newest = store.latest_valid(self.cfg.checkpoint.dir)  # authoritative, even if the step log lagged
+        self.record.last_checkpoint_step = newest.step if newest else None
+        rec.last_checkpoint_step = self.record.last_checkpoint_step
+        for r in self.record.ranks:
+            r["alive"] = False
+        self.save_state()
+        if outcome.reason not in (api.FINISHED, api.STOPPED):
+            where = f" at step {outcome.step}" if outcome.step is not None else ""
+            self.console.event(f"attempt {spec.attempt} failed{where}: {outcome.reason} — {outcome.detail}",
+                               style="red")
+        return outcome
+
+    # ---- watching one attempt ---------------------------------------------------------------------
+
+    def _watch(self, spec: AttemptSpec, handle: AttemptHandle, rec: AttemptRecord,
+               oom_before: int | None) -> AttemptOutcome:
+        hb_cfg = self.cfg.heartbeat
+        watch = RankWatch(self.clock(), hb_cfg.timeout_s, hb_cfg.startup_timeout_s)
+        steps = StepLogReader(spec.step_log)
+        heartbeats: dict[int, Heartbeat] = {}
+        while True:
+            rc = handle.wait(POLL_S)
+            now = self.clock()
+            heartbeats = read_heartbeats(spec.heartbeat_dir) or heartbeats
+            watch.observe(heartbeats, now)
+            handle.track(hb.pid for hb in heartbeats.values())
+            self._follow_steps(steps.poll(), rec, heartbeats)
+            self._update_ranks(heartbeats, watch, now)
+            if rc is not None:
+                heartbeats = read_heartbeats(spec.heartbeat_dir) or heartbeats
+                self._follow_steps(steps.poll(), rec, heartbeats)
+                self._update_ranks(heartbeats, watch, self.clock())
+                oom_after = oom_kills()
+                return classify.classify(rc, classify.tail(handle.log_path, 200_000), heartbeats,
+                                         self._rank_logs(spec, heartbeats),
+                                         oom_killed=oom_before is not None and (oom_after or 0) > oom_before)
+            if self.stop_signal is not None:
+                return self._stop_attempt(spec, handle, heartbeats)
+            hangs = watch.hangs(now)
+            if hangs:
+                return self._hang(spec, handle, hangs, heartbeats)
+            self.save_state(force=False)
+
+    def _follow_steps(self, records: list[Any], rec: AttemptRecord, heartbeats: dict[int, Heartbeat]) -> None:
+        for r in records:
+            if isinstance(r, StepRecord):
+                if rec.first_step_at is None:
+                    rec.first_step_at = r.t
+                    self.console.event(f"attempt {rec.attempt}: training (first step {r.step} after "
+                                       f"{r.t - rec.started_at:.1f}s)")
+                self.record.step = r.step
+            elif isinstance(r, SaveRecord) and r.committed:
+                self._on_checkpoint(r)
+
+    def _on_checkpoint(self, r: SaveRecord) -> None:
+        self.record.last_checkpoint_step = r.step
+        removed = ""
+        plan = retention.plan(self.cfg.checkpoint.dir, store.scan(self.cfg.checkpoint.dir), self.cfg.checkpoint.keep,
+                              owner_alive=True)
+        if plan.remove:
+            retention.apply(plan)
+            removed = "; removed " + ", ".join(p.path.name for p in plan.remove)
+        self.console.event(f"checkpoint step {r.step} committed (training blocked {r.blocking_s:.3f}s){removed}")
+        self.save_state()
+
+    def _update_ranks(self, heartbeats: dict[int, Heartbeat], watch: RankWatch, now: float) -> None:
+        ages = watch.ages(now)
+        slow = watch.stragglers()
+        ranks = []
+        for rank, hb in sorted(heartbeats.items()):
+            note = None
+            if rank in slow:
+                note = f"straggler: {slow[rank]:.2f} own steps/s, far below the other ranks"
+            ranks.append({"rank": rank, "node": hb.node, "pid": hb.pid, "step": hb.step, "phase": hb.phase,
+                          "heartbeat_at": hb.time, "heartbeat_age_s": round(ages.get(rank, 0.0), 2),
+                          "alive": hb.phase != "exited" and _pid_alive(hb.pid), "steps_per_s": hb.steps_per_s,
+                          "own_steps_per_s": hb.own_steps_per_s, "note": note})
+        self.record.ranks = ranks
+        if heartbeats:
+            self.record.step = max(hb.step for hb in heartbeats.values())
+
+    def _rank_logs(self, spec: AttemptSpec, heartbeats: dict[int, Heartbeat]) -> dict[int, str]:
+        return {rank: classify.tail(path) for rank, path in rank_stderr_paths(spec, heartbeats).items()}
+
+    def _hang(self, spec: AttemptSpec, handle: AttemptHandle, hangs: list[Any],
+              heartbeats: dict[int, Heartbeat]) -> AttemptOutcome:
+        first = hangs[0]
+        self.console.event(f"attempt {spec.attempt}: hang — {first.describe()}; capturing stacks before stopping",
+                           style="red")
+        out = spec.logs_dir / "hang_evidence.json"
+        doc = evidence.capture(hangs, heartbeats, rank_stderr_paths(spec, heartbeats), out)
+        dumped = [r["rank"] for r in doc["ranks"] if r.get("stack_dump")]
+        self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'})")
+        handle.stop(grace_s=HANG_STOP_GRACE_S)
+        step = max((hb.step for hb in heartbeats.values()), default=None)
+        return AttemptOutcome(api.HANG, first.describe(), first.rank, None, step, str(out))
+
+    def _stop_attempt(self, spec: AttemptSpec, handle: AttemptHandle,
+                      heartbeats: dict[int, Heartbeat]) -> AttemptOutcome:
+        name = signal.Signals(self.stop_signal or signal.SIGTERM).name
+        self.console.event(f"{name}: asking the ranks to checkpoint and stop (up to {self.cfg.stop_timeout_s:.0f}s)",
+                           style="yellow")
+        handle.signal_group(signal.SIGTERM)
+        rc = handle.wait(self.cfg.stop_timeout_s + 5)
+        heartbeats = read_heartbeats(spec.heartbeat_dir) or heartbeats
+        self.record.step = step = max((hb.step for hb in heartbeats.values()), default=self.record.step)
+        saved = store.latest_valid(self.cfg.checkpoint.dir)
+        self.record.last_checkpoint_step = saved.step if saved else self.record.last_checkpoint_step
+        how = "torchrun exited" if rc is not None else "the grace period ran out"
+        return AttemptOutcome(api.STOPPED, f"stopped by {name} ({how}); newest valid checkpoint: "
+                              f"{saved.step if saved else 'none'}", None, rc, step)
+
+    # ---- endings ----------------------------------------------------------------------------------
+
+    def _stopped(self, outcome: AttemptOutcome | None) -> int:
+        sig = self.stop_signal or signal.SIGTERM
+        self.record.message = outcome.detail if outcome else f"stopped by {signal.Signals(sig).name}"
+        self._transition(RunState.STOPPED)
+        self.console.event(f"{self.record.message}; `resilient run` again resumes", style="yellow")
+        return ExitCode.SIGINT if sig == signal.SIGINT else ExitCode.SIGTERM
+
+    def _failed(self, why: str, outcome: AttemptOutcome, spec: AttemptSpec) -> int:
+        newest = store.latest_valid(self.cfg.checkpoint.dir)
+        look = outcome.log_hint or str(spec.logs_dir)
+        rank_hint = f" (rank {outcome.failed_rank}'s stderr.log under it)" if outcome.failed_rank is not None else ""
+        self.record.message = (
+            f"resilient stopped the run: {why}. Attempt {spec.attempt} ended at step {outcome.step}; "
+            f"the newest valid checkpoint is {('step ' + str(newest.step)) if newest else 'none'}. "
+            f"Look at {look}{rank_hint}, and `resilient status {self.cfg.run_dir}` for the history.")
+        self._transition(RunState.FAILED)
+        self.console.paragraph(self.record.message)
+        return ExitCode.FAILED
+
+
+def rank_stderr_paths(spec: AttemptSpec, heartbeats: dict[int, Heartbeat]) -> dict[int, Path]:
+    """Each rank's stderr log: from its heartbeat (torchrun's per-rank folder), else by local rank."""
+    paths: dict[int, Path] = {}
+    for rank, hb in heartbeats.items():
+        if hb.log_dir:
+            paths[rank] = Path(hb.log_dir) / "stderr.log"
+    for p in (spec.logs_dir / "ranks").glob("*/attempt_*/*/stderr.log"):
+        local = int(p.parent.name)
+        paths.setdefault(local, p)  # single node: local rank == rank for ranks that never beat
+    return paths
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

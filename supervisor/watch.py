@@ -1,0 +1,120 @@
+"""Rank liveness from heartbeats, judged with the supervisor's own monotonic clock.
+
+A heartbeat's timestamps come from another process (maybe another host); we never compare clocks. We note
+*when we saw* a rank's `seq` change (it beats) and its `step` change (it progresses). Every check is a pure
+function of `now`, so tests drive it without sleeping.
+
+Rules, per rank:
+- no heartbeat yet: hung once `startup_timeout_s` has passed since launch;
+- silent (seq unchanged) for `timeout_s`: hung, whatever its phase (stopped, dead-locked, GIL held);
+- phase `startup` or `load` past `startup_timeout_s` since launch: hung;
+- phase `train` without a new step for `timeout_s`: hung (stuck in a collective: its beat thread lives);
+- phase `save` and `load` are not held to progress; `exited` is never hung.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from supervisor.protocol import Heartbeat
+
+SILENT = "silent"
+NO_PROGRESS = "no_progress"
+NO_HEARTBEAT = "no_heartbeat"
+STARTUP = "startup"
+
+
+@dataclass
+class RankSeen:
+    hb: Heartbeat
+    seq_at: float  # our monotonic time when seq last changed
+    step_at: float  # our monotonic time when step last changed
+
+
+@dataclass(frozen=True)
+class Hang:
+    rank: int | None
+    kind: str  # SILENT, NO_PROGRESS, NO_HEARTBEAT, STARTUP
+    for_s: float
+    step: int | None
+    phase: str | None
+
+    def describe(self) -> str:
+        who = f"rank {self.rank}" if self.rank is not None else "no rank"
+        if self.kind == SILENT:
+            return f"{who} silent for {self.for_s:.0f}s in phase {self.phase} at step {self.step}"
+        if self.kind == NO_PROGRESS:
+            return f"{who} made no progress for {self.for_s:.0f}s at step {self.step}"
+        if self.kind == STARTUP:
+            return f"{who} still in {self.phase} after {self.for_s:.0f}s"
+        return f"no heartbeat from any rank after {self.for_s:.0f}s"
+
+
+@dataclass
+class RankWatch:
+    launched_at: float
+    timeout_s: float
+    startup_timeout_s: float
+    expected_ranks: int | None = None
+    seen: dict[int, RankSeen] = field(default_factory=dict)
+
+    def observe(self, heartbeats: dict[int, Heartbeat], now: float) -> None:
+        for rank, hb in heartbeats.items():
+            prev = self.seen.get(rank)
+            if prev is None or hb.pid != prev.hb.pid:
+                self.seen[rank] = RankSeen(hb, now, now)
+                continue
+            if hb.seq != prev.hb.seq:
+                prev.seq_at = now
+            if hb.step != prev.hb.step:
+                prev.step_at = now
+            prev.hb = hb
+
+    def hangs(self, now: float) -> list[Hang]:
+        """Every rank that looks hung at `now`; silent ranks (the likely culprits) first."""
+        found: list[Hang] = []
+        since_launch = now - self.launched_at
+        if not self.seen:
+            if since_launch > self.startup_timeout_s:
+                found.append(Hang(None, NO_HEARTBEAT, since_launch, None, None))
+            return found
+        for rank, s in sorted(self.seen.items()):
+            phase = s.hb.phase
+            if phase == "exited":
+                continue
+            silent = now - s.seq_at
+            if silent > self.timeout_s:
+                found.append(Hang(rank, SILENT, silent, s.hb.step, phase))
+            elif phase in ("startup", "load"):
+                if since_launch > self.startup_timeout_s:
+                    found.append(Hang(rank, STARTUP, since_launch, s.hb.step, phase))
+            elif phase == "train" and now - s.step_at > self.timeout_s:
+                found.append(Hang(rank, NO_PROGRESS, now - s.step_at, s.hb.step, phase))
+        if self.expected_ranks and since_launch > self.startup_timeout_s:
+            for rank in range(self.expected_ranks):
+                if rank not in self.seen:
+                    found.append(Hang(rank, NO_HEARTBEAT, since_launch, None, None))
+        order = {SILENT: 0, STARTUP: 1, NO_HEARTBEAT: 2, NO_PROGRESS: 3}
+        return sorted(found, key=lambda h: (order[h.kind], -h.for_s))
+
+    def ages(self, now: float) -> dict[int, float]:
+        """Seconds since we last saw each rank beat."""
+        return {rank: now - s.seq_at for rank, s in self.seen.items()}
+
+    def stragglers(self, factor: float = 0.5) -> dict[int, float]:
+        """Ranks whose own step rate is below `factor` × the median: rank → its rate. Reported, not killed.
+
+        In synchronous training every rank completes steps at the same wall rate, so the rate compared is the
+        one that leaves out the time a rank waited for the others at the step-end sync: the rank everybody
+        waits for has the lowest. (Time lost inside FSDP's own collectives is not attributed.)"""
+        rates = {r: s.hb.own_steps_per_s for r, s in self.seen.items()
+                 if s.hb.own_steps_per_s is not None and s.hb.phase == "train"}
+        if len(rates) < 2:
+            return {}
+        median = statistics.median(rates.values())
+        return {r: v for r, v in rates.items() if median > 0 and v < factor * median}
+
+    def max_step(self) -> int | None:
+        steps = [s.hb.step for s in self.seen.values()]
+        return max(steps) if steps else None

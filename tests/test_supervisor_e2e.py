@@ -1,0 +1,225 @@
+"""`resilient run jobs/tiny-cpu.yaml` for real: torchrun, 2 gloo ranks, real signals, real DCP files."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from supervisor import store
+from tests.ckpt_helpers import truncate
+from tests.proc import REPO, Proc, child_env, started, wait_for
+
+pytestmark = pytest.mark.slow
+
+JOB = REPO / "jobs" / "tiny-cpu.yaml"
+RUN_TIMEOUT = 240
+
+
+def resilient(*args: object) -> list[str]:
+    return [sys.executable, "-m", "supervisor", *map(str, args)]
+
+
+def run_job(run_dir: Path, *sets: str, steps: int = 120, sleep: float = 0.03, extra_args: tuple = ()) -> list[str]:
+    entry = ["--steps", str(steps), "--device", "cpu", "--test-sleep-per-step", str(sleep), *extra_args]
+    argv = resilient("run", JOB, "--run-dir", run_dir, "--set", "checkpoint.interval_steps=20",
+                     "--set", "restart.backoff_s=0.2", "--set", f"entrypoint.args={json.dumps(entry)}")
+    for s in sets:
+        argv += ["--set", s]
+    return argv
+
+
+def status(run_dir: Path) -> dict:
+    out = subprocess.run(resilient("status", run_dir, "--json"), capture_output=True, text=True, env=child_env())
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def state(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def live_ranks(run_dir: Path, min_step: int = 0) -> list[dict]:
+    s = state(run_dir)
+    ranks = [r for r in s.get("ranks", []) if r.get("alive") and r.get("phase") == "train"]
+    if s.get("state") == "running" and len(ranks) == 2 and min(r["step"] for r in ranks) >= min_step:
+        return ranks
+    return []
+
+
+def test_sigkill_of_a_random_worker_at_a_random_moment(tmp_path):
+    rng = random.Random(os.environ.get("RESILIENT_TEST_SEED") or random.randrange(1 << 30))
+    run_dir = tmp_path / "run"
+    kill_after = rng.uniform(0.0, 2.5)
+    with started(run_job(run_dir), tmp_path, log=tmp_path / "sup.log") as sup:
+        ranks = wait_for(lambda: live_ranks(run_dir, min_step=5), 90, "training on both ranks")
+        time.sleep(kill_after)  # the random moment, within training
+        victim = rng.choice(ranks)
+        before = store.latest_valid(run_dir / "checkpoints")
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+        console = sup.output()
+    doc = status(run_dir)
+    assert doc["state"] == "succeeded" and doc["restarts"] == 1
+    first, second = doc["history"][0], doc["history"][1]
+    assert first["reason"] == "worker_signal" and first["failed_rank"] == victim["rank"], first
+    assert "SIGKILL" in first["detail"]
+    # The resume step is the newest valid checkpoint when the attempt failed (a save in flight at the
+    # kill may still have committed, if the victim had already written its share).
+    resumed = second["resumed_from_step"]
+    assert resumed == first["last_checkpoint_step"]
+    floor = before.step if before else None
+    assert resumed == floor or (resumed is not None and resumed == (floor or 0) + 20), (resumed, floor)
+    assert (f"resuming from step {resumed}" if resumed is not None else "starting fresh") in console
+    assert "worker_signal" in console and "finished at step 120" in console
+    assert store.latest_valid(run_dir / "checkpoints").step == 120
+
+
+def test_sigstop_is_a_hang_detected_within_the_timeout_with_a_stack_dump(tmp_path):
+    run_dir = tmp_path / "run"
+    timeout_s = 6.0
+    argv = run_job(run_dir, f"heartbeat.timeout_s={timeout_s}", "heartbeat.interval_s=0.5", steps=150)
+    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+        ranks = wait_for(lambda: live_ranks(run_dir, min_step=25), 90, "training past step 25")
+        victim = ranks[1]
+        os.kill(victim["pid"], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        wait_for(lambda: "hang —" in sup.output(), timeout_s + 30, "the hang to be reported")
+        detected_in = time.monotonic() - stopped_at
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    assert detected_in <= timeout_s + 2.0, f"hang detected after {detected_in:.1f}s"
+    doc = status(run_dir)
+    hang = doc["history"][0]
+    assert hang["reason"] == "hang" and hang["failed_rank"] == victim["rank"], hang
+    evidence = json.loads((Path(hang["log_dir"]) / "hang_evidence.json").read_text())
+    victim_facts = next(r for r in evidence["ranks"] if r["rank"] == victim["rank"])
+    assert victim_facts["status"] == "stopped" and victim_facts.get("stack_dump"), victim_facts
+    stderr = Path(victim_facts["stderr"]).read_text()
+    assert "most recent call first" in stderr and "train_entry" in stderr
+    assert doc["state"] == "succeeded"
+
+
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = run_job(run_dir, steps=80, extra_args=("--test-save-pause", "mid_data:60@40", "--test-attempts", "1"))
+    partial = run_dir / "checkpoints" / store.partial_dirname(40)
+    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+        wait_for(lambda: (partial / "__1_0.distcp").exists() and live_ranks(run_dir), 90, "the save of step 40")
+        os.kill(live_ranks(run_dir)[0]["pid"], signal.SIGKILL)
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+        console = sup.output()
+    doc = status(run_dir)
+    assert doc["history"][1]["resumed_from_step"] == 20
+    assert "resuming from step 20" in console
+    assert "skipping step_000000040.partial: incomplete: partial save, never committed" in console
+    assert store.inspect(run_dir / "checkpoints" / store.step_dirname(40)).valid
+
+
+def test_sigterm_to_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    with started(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup1.log") as sup:
+        wait_for(lambda: live_ranks(run_dir, min_step=30), 90, "step 30")
+        sup.signal(signal.SIGTERM)
+        assert sup.wait(60) == 143, sup.output()[-3000:]
+        assert sup.alive_descendants() == []
+    doc = status(run_dir)
+    assert doc["state"] == "stopped"
+    stop_step = doc["step"]
+    latest = store.latest_valid(run_dir / "checkpoints", deep=True)
+    assert latest.step == stop_step and stop_step % 20 != 0, (latest.step, stop_step)
+    with started(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup2.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+        assert f"resuming from step {stop_step}" in sup.output()
+
+
+def test_truncated_newest_shard_between_runs_resumes_from_the_one_before(tmp_path):
+    run_dir = tmp_path / "run"
+    with started(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup1.log") as sup:
+        wait_for(lambda: live_ranks(run_dir, min_step=45), 90, "step 45")
+        sup.signal(signal.SIGTERM)
+        assert sup.wait(60) == 143
+    newest = store.latest_valid(run_dir / "checkpoints")
+    older = store.latest_valid(run_dir / "checkpoints", below=newest.step)
+    truncate(newest.path / "__1_0.distcp", by=1000)
+    with started(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup2.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+        console = sup.output()
+    assert f"skipping {newest.path.name}: corrupt: __1_0.distcp is" in console and "(truncated)" in console
+    assert f"resuming from step {older.step}" in console
+    attempt = status(run_dir)["history"][-1]
+    assert attempt["resumed_from_step"] == older.step
+    assert any("truncated" in s for s in attempt["skipped"])
+
+
+def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    sup = Proc(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup1.log")
+    try:
+        ranks = wait_for(lambda: live_ranks(run_dir, min_step=10), 90, "training")
+        workers = [psutil.Process(r["pid"]) for r in ranks]
+        os.kill(sup.pid, signal.SIGKILL)
+        _gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert alive == [], f"workers alive 10 s after kill -9 of the supervisor: {alive}"
+        wait_for(lambda: not [p for p in sup.alive_descendants() if p.pid != sup.pid], 10, "torchrun to exit")
+    finally:
+        sup.kill_all()
+    with started(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup2.log") as sup2:
+        assert sup2.wait(RUN_TIMEOUT) == 0, sup2.output()[-3000:]
+    assert status(run_dir)["state"] == "succeeded"
+
+
+def test_an_entry_that_always_dies_at_the_same_step_is_a_crash_loop(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = run_job(run_dir, "restart.crash_loop_attempts=2", steps=100, sleep=0.0,
+                   extra_args=("--test-die-at-step", "30"))
+    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 1
+        console = sup.output()
+    assert "crash loop: 2 consecutive attempts made no new valid checkpoint, failing at step 30" in console
+    assert "injected failure at step 30" in console
+    doc = status(run_dir)
+    assert doc["state"] == "failed" and len(doc["history"]) == 3
+    assert [h["reason"] for h in doc["history"]] == ["worker_exit"] * 3
+    assert "crash loop" in doc["message"]
+
+
+def test_a_second_supervisor_on_the_same_run_dir_exits_3(tmp_path):
+    run_dir = tmp_path / "run"
+    with started(run_job(run_dir, steps=100), tmp_path, log=tmp_path / "sup1.log") as sup:
+        wait_for(lambda: state(run_dir).get("state") == "running", 60, "the first supervisor")
+        second = subprocess.run(run_job(run_dir, steps=100), capture_output=True, text=True, env=child_env(),
+                                timeout=60)
+        assert second.returncode == 3, second.stderr
+        assert f"held by another live supervisor (pid {sup.pid}" in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1
+
+
+def test_nan_rolls_back_once_then_stops(tmp_path):
+    run_dir = tmp_path / "run"
+    # NaN at step 50 on every attempt: roll back from the newest (40) to 20 once, then NaN again -> stop.
+    argv = run_job(run_dir, steps=100, sleep=0.0, extra_args=("--test-nan-at-step", "50"))
+    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 1
+        console = sup.output()
+    doc = status(run_dir)
+    assert [h["reason"] for h in doc["history"]] == ["nan", "nan"]
+    assert doc["history"][1]["resumed_from_step"] == 20
+    assert "rolling back" in console and "non-finite again after a rollback" in doc["message"]
+
+
+def test_a_module_that_cannot_be_imported_is_a_config_error(tmp_path):
+    out = subprocess.run(resilient("run", JOB, "--run-dir", tmp_path / "run", "--set", "entrypoint.module=no_such_mod"),
+                         capture_output=True, text=True, env=child_env(), timeout=60)
+    assert out.returncode == 2 and "no_such_mod" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()
