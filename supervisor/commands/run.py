@@ -73,6 +73,12 @@ def reap_orphans(layout: RunLayout, cfg: JobConfig, console: EventConsole) -> No
     psutil.wait_procs(alive, timeout=5)
 
 
+def make_launcher():  # tests replace this to capture the argv without starting torchrun
+    from supervisor.supervise import torchrun_launcher
+
+    return torchrun_launcher
+
+
 def main(job: str, overrides: list[str], node: str | None) -> int:
     from supervisor.supervise import Supervisor
 
@@ -82,7 +88,7 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     with RunLock(layout.node_dir):
         console = EventConsole(cfg.name)
         reap_orphans(layout, cfg, console)
-        sup = Supervisor(cfg, layout, console=console)
+        sup = Supervisor(cfg, layout, console=console, launcher=make_launcher())
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: sup.request_stop(signum))
         started = time.monotonic()

@@ -1,0 +1,277 @@
+"""The supervisor's logic without processes: classification, policy, hang rules (injected time), the argv."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor import api, classify
+from supervisor.config import RestartConfig
+from supervisor.launch import torchrun_argv
+from supervisor.policy import RestartPolicy
+from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat
+from supervisor.state import RunState
+from supervisor.watch import NO_HEARTBEAT, NO_PROGRESS, SILENT, STARTUP, RankWatch
+
+SUMMARY = """\
+[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:44741: Connection reset by peer.
+============================================================
+train_entry FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-22_00:44:08
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 15575)
+  error_file: {error_file}
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_00:44:08
+  host      : localhost
+  rank      : {rank} (local_rank: {rank})
+  exitcode  : {code} (pid: 15576){sig}
+  error_file: {root_error}
+  traceback : {traceback}
+============================================================
+"""
+
+
+def summary(rank=1, code=-9, sig="  (SIGKILL)", traceback="Signal 9 (SIGKILL) received by PID 15576",
+            error_file="<N/A>", root_error="<N/A>") -> str:
+    return SUMMARY.format(rank=rank, code=code, sig=sig, traceback=traceback, error_file=error_file,
+                          root_error=root_error)
+
+
+def hb(rank=0, **kw) -> Heartbeat:
+    return Heartbeat(rank=rank, pid=1000 + rank, **kw)
+
+
+def error_json(tmp_path: Path, message: str) -> str:
+    p = tmp_path / "error.json"
+    p.write_text(json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": "..."}}}))
+    return str(p)
+
+
+def test_parse_summary_finds_the_root_cause():
+    root, failures = classify.parse_summary(summary())
+    assert (root.rank, root.exit_code, root.pid, root.error_file) == (1, -9, 15576, None)
+    assert [f.rank for f in failures] == [0, 1]
+
+
+@pytest.mark.parametrize("case, expect_reason, expect_rank", [
+    ("sigkill", api.WORKER_SIGNAL, 1),
+    ("preempted", api.PREEMPTED, 1),
+    ("nan", api.NAN, 1),
+    ("collective", api.COLLECTIVE_TIMEOUT, 1),
+    ("oom", api.OOM, 1),
+    ("import", api.CONFIG, 1),
+    ("exception", api.WORKER_EXIT, 1),
+    ("disk", api.CHECKPOINT_FAILED, 1),
+])
+def test_classify(tmp_path, case, expect_reason, expect_rank):
+    hbs = {0: hb(0, step=57, first_step_at=1.0), 1: hb(1, step=57, first_step_at=1.0)}
+    err = {
+        "collective": "RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv",
+        "oom": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        "exception": "ValueError: shapes do not match",
+        "disk": "CheckpointError: checkpoint save failed: [Errno 28] No space left on device",
+        "import": "ModuleNotFoundError: No module named 'flash_attn'",
+    }
+    if case == "import":
+        hbs = {0: hb(0), 1: hb(1)}  # never trained
+    text = {
+        "sigkill": summary(),
+        "preempted": summary(code=EXIT_PREEMPTED, sig="", traceback="..."),
+        "nan": summary(code=EXIT_NAN, sig="", traceback="..."),
+    }.get(case) or summary(code=1, sig="", traceback="...", root_error=error_json(tmp_path, err[case]))
+    out = classify.classify(1, text, hbs)
+    assert (out.reason, out.failed_rank) == (expect_reason, expect_rank), out
+    assert out.step == 57 or case == "import"
+
+
+def test_classify_prefers_the_killed_rank_over_its_collateral(tmp_path):
+    # torchrun saw rank 0's "connection reset" first; the SIGKILLed rank 1 is the real cause.
+    text = summary(rank=0, code=1, sig="", traceback="...",
+                   root_error=error_json(tmp_path, "RuntimeError: Connection reset by peer"))
+    text = text.replace("rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 15575)",
+                        "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 15576)")
+    out = classify.classify(1, text, {0: hb(0), 1: hb(1)})
+    assert (out.reason, out.failed_rank) == (api.WORKER_SIGNAL, 1)
+
+
+def test_classify_without_a_summary():
+    assert classify.classify(0, "", {}).reason == api.FINISHED
+    assert classify.classify(-9, "", {}).reason == api.LAUNCHER_DIED
+    said = {0: hb(0, exit_code=EXIT_NAN, exit_reason="nan", time=5.0)}
+    assert classify.classify(1, "", said).reason == api.NAN
+    assert classify.classify(1, "torch.distributed.DistStoreError: wait timeout", {}).reason == api.NODE_LOST
+    assert classify.classify(1, "/usr/bin/python: can't open file 'x.py'", {}).reason == api.CONFIG
+    assert classify.classify(-9, "", {}, oom_killed=True).reason == api.LAUNCHER_DIED
+    oom = classify.classify(1, summary(), {1: hb(1)}, oom_killed=True)
+    assert oom.reason == api.OOM
+
+
+def outcome(reason=api.WORKER_SIGNAL, step=30):
+    return api.AttemptOutcome(reason, "detail", 1, -9, step)
+
+
+def test_policy_backoff_doubles_without_progress_and_budget_ends():
+    p = RestartPolicy(RestartConfig(max_restarts=4, backoff_s=1, max_backoff_s=3, crash_loop_attempts=10))
+    waits = [p.decide(outcome(), progressed=False, newest_valid=10, older_valid=None).wait_s for _ in range(4)]
+    assert waits == [1, 2, 3, 3]
+    last = p.decide(outcome(), progressed=False, newest_valid=10, older_valid=None)
+    assert not last.relaunch and last.final_state is RunState.FAILED and "budget is spent (4/4" in last.message
+    p = RestartPolicy(RestartConfig(max_restarts=9, backoff_s=1, max_backoff_s=60))
+    p.decide(outcome(), progressed=False, newest_valid=10, older_valid=None)
+    assert p.decide(outcome(), progressed=True, newest_valid=20, older_valid=10).wait_s == 1
+
+
+def test_policy_crash_loop_names_the_step():
+    p = RestartPolicy(RestartConfig(crash_loop_attempts=3, backoff_s=0))
+    assert p.decide(outcome(step=30), progressed=True, newest_valid=20, older_valid=None).relaunch
+    assert p.decide(outcome(step=30), progressed=False, newest_valid=20, older_valid=None).relaunch
+    assert p.decide(outcome(step=30), progressed=False, newest_valid=20, older_valid=None).relaunch
+    d = p.decide(outcome(step=30), progressed=False, newest_valid=20, older_valid=None)
+    assert not d.relaunch and "crash loop: 3 consecutive attempts" in d.message and "at step 30" in d.message
+
+
+def test_policy_nan_rolls_back_once_and_config_stops_at_once():
+    p = RestartPolicy(RestartConfig(backoff_s=0))
+    d = p.decide(outcome(api.NAN), progressed=True, newest_valid=40, older_valid=20)
+    assert d.relaunch and d.resume_below == 40
+    d = p.decide(outcome(api.NAN), progressed=False, newest_valid=40, older_valid=20)
+    assert not d.relaunch and "again after a rollback" in d.message
+    p = RestartPolicy(RestartConfig(backoff_s=0))
+    d = p.decide(outcome(api.NAN), progressed=False, newest_valid=40, older_valid=None)
+    assert not d.relaunch and "no earlier valid checkpoint" in d.message
+    d = RestartPolicy(RestartConfig()).decide(outcome(api.CONFIG), progressed=False, newest_valid=None,
+                                              older_valid=None)
+    assert not d.relaunch and "configuration or import error" in d.message
+
+
+def test_hang_rules_with_injected_time():
+    w = RankWatch(launched_at=0.0, timeout_s=10, startup_timeout_s=100, expected_ranks=2)
+    assert w.hangs(50) == []
+    w.observe({0: hb(0, phase="load", seq=1), 1: hb(1, phase="load", seq=1)}, now=50)
+    assert w.hangs(59) == []
+    w.observe({0: hb(0, phase="load", seq=2), 1: hb(1, phase="load", seq=2)}, now=59)
+    assert w.hangs(68.9) == []  # loading is allowed up to the startup timeout, beating all along...
+    assert [(h.rank, h.kind) for h in w.hangs(69.5)] == [(0, SILENT), (1, SILENT)]  # ...but not silence
+    # Training: rank 0 keeps beating and stepping; rank 1 beats (its thread lives) but stays at step 3.
+    for t in range(60, 75):
+        w.observe({0: hb(0, phase="train", seq=t, step=t), 1: hb(1, phase="train", seq=t, step=3)}, now=t)
+    assert w.hangs(70) == []
+    hangs = w.hangs(74.5)
+    assert [(h.rank, h.kind) for h in hangs] == [(1, NO_PROGRESS)]
+    # Rank 0 goes silent (SIGSTOP): it is named first.
+    hangs = w.hangs(74 + 10.5)
+    assert hangs[0].rank == 0 and hangs[0].kind == SILENT
+    # A long save is not a hang as long as the rank beats.
+    w2 = RankWatch(0.0, 10, 100)
+    for t in range(0, 60):
+        w2.observe({0: hb(0, phase="save", seq=t, step=5)}, now=t)
+    assert w2.hangs(59.5) == []
+    w3 = RankWatch(0.0, 10, 30, expected_ranks=1)
+    assert [h.kind for h in w3.hangs(31)] == [NO_HEARTBEAT]
+    w3.observe({0: hb(0, phase="startup", seq=1)}, now=25)
+    w3.observe({0: hb(0, phase="startup", seq=2)}, now=30)
+    assert [h.kind for h in w3.hangs(31)] == [STARTUP]
+
+
+def test_stragglers_compare_own_rates():
+    w = RankWatch(0.0, 10, 10)
+    w.observe({r: hb(r, phase="train", steps_per_s=5.0, own_steps_per_s=v) for r, v in
+               enumerate([20.0, 19.0, 21.0, 5.0])}, now=1)
+    assert list(w.stragglers()) == [3]
+
+
+# ---- the CLI builds the exact torchrun argv -------------------------------------------------------
+
+
+class FakeHandle:
+    def __init__(self, log_path: Path, rc: int = 0):
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("")
+        self.rc = rc
+
+    def wait(self, timeout):
+        return self.rc
+
+    def track(self, extra_pids=()):
+        list(extra_pids)
+
+    def signal_group(self, sig):
+        pass
+
+    def stop(self, grace_s):
+        return []
+
+    def close(self):
+        pass
+
+
+def test_run_builds_the_exact_torchrun_argv(tmp_path, cli, monkeypatch):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry, args: [--steps, 10]}\nnproc_per_node: 2\n"
+                   "stop_timeout_s: 15\n")
+    seen: list[tuple[list[str], Handover]] = []
+
+    def launcher(cfg, spec, handover):
+        seen.append((torchrun_argv(cfg, spec), handover))
+        return FakeHandle(spec.logs_dir / "torchrun.log")
+
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launcher)
+    result = cli("run", job, "--set", "checkpoint.interval_steps=5")
+    assert result.exit_code == 0, result.output
+    argv, handover = seen[0]
+    logs = tmp_path / "runs/demo/logs/attempt_1"
+    assert argv == [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                    "--standalone", "--max-restarts", "0", "--monitor-interval", "0.1", "--shutdown-timeout", "15",
+                    "--log-dir", str(logs / "ranks"), "--redirects", "3", "-m", "train_entry", "--steps", "10"]
+    assert handover.ckpt_interval == 5 and handover.attempt == 1 and handover.resume_step is None
+    assert handover.heartbeat_dir == str(tmp_path / "runs/demo/heartbeats/attempt_1")
+    assert json.loads((tmp_path / "runs/demo/state.json").read_text())["state"] == "succeeded"
+
+
+def test_multinode_argv_uses_the_rendezvous(tmp_path):
+    from supervisor.api import AttemptSpec
+    from supervisor.config import load_job
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: mn\nentrypoint: {script: t.py}\nnnodes: 1:4\nnproc_per_node: 8\n"
+                   "rdzv: {endpoint: 'head:29400', conf: {last_call_timeout: 5}}\n")
+    (tmp_path / "t.py").write_text("")
+    cfg = load_job(job)
+    spec = AttemptSpec(1, None, None, tmp_path / "l", tmp_path / "h", tmp_path / "s", tmp_path / "c")
+    argv = torchrun_argv(cfg, spec, python="py", max_restarts=7)
+    assert argv[:16] == ["py", "-m", "torch.distributed.run", "--nnodes", "1:4", "--nproc-per-node", "8",
+                         "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400", "--rdzv-id", "mn",
+                         "--rdzv-conf", "last_call_timeout=5", "--max-restarts"]
+    assert argv[16] == "7" and argv[-1] == str(tmp_path / "t.py")
+
+
+def test_failing_attempts_spend_the_budget_and_exit_1(tmp_path, cli, monkeypatch):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\nrestart: {max_restarts: 2, backoff_s: 0, "
+                   "crash_loop_attempts: 9}\n")
+    launches = []
+
+    def launcher(cfg, spec, handover):
+        launches.append(spec.attempt)
+        h = FakeHandle(spec.logs_dir / "torchrun.log", rc=1)
+        h.log_path.write_text(summary())
+        return h
+
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launcher)
+    result = cli("run", job)
+    assert result.exit_code == 1 and launches == [1, 2, 3]
+    assert "restart budget is spent (2/2 restarts)" in result.stderr
+    doc = json.loads((tmp_path / "runs/demo/state.json").read_text())
+    assert [h["reason"] for h in doc["history"]] == ["worker_signal"] * 3 and doc["state"] == "failed"
