@@ -186,7 +186,8 @@ def read_heartbeats(folder: str | os.PathLike) -> dict[int, Heartbeat]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The step log: rank 0 appends one JSON line per step and per save. The supervisor tails it.
+# The step log: each node's local rank 0 appends one JSON line per step as it completes, one per save
+# (when training is unblocked), and global rank 0 one per commit. The supervisor tails it.
 
 
 @dataclass(frozen=True)
@@ -197,12 +198,51 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class SaveRecord:
+    """The blocking part of a save of `step` ended at `t`, after `blocking_s`."""
+
     step: int
     t: float
     blocking_s: float
-    persist_s: float | None = None
-    committed: bool = False
-    bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """Checkpoint `step` was committed (marker written) at `t`, `persist_s` after the save began."""
+
+    step: int
+    t: float
+    persist_s: float
+    bytes: int
+
+
+LogRecord = StepRecord | SaveRecord | CommitRecord
+
+
+def step_line(step: int, t: float) -> str:
+    return f'{{"step": {step}, "t": {t:.4f}}}\n'
+
+
+def save_line(rec: SaveRecord) -> str:
+    return json.dumps({"save": rec.step, "t": round(rec.t, 4), "blocking_s": round(rec.blocking_s, 5)}) + "\n"
+
+
+def commit_line(rec: CommitRecord) -> str:
+    return json.dumps({"commit": rec.step, "t": round(rec.t, 4), "persist_s": round(rec.persist_s, 4),
+                       "bytes": rec.bytes}) + "\n"
+
+
+def parse_step_line(line: bytes | str) -> LogRecord | None:
+    try:
+        d = json.loads(line)
+        if "step" in d:
+            return StepRecord(int(d["step"]), float(d["t"]))
+        if "save" in d:
+            return SaveRecord(int(d["save"]), float(d["t"]), float(d["blocking_s"]))
+        if "commit" in d:
+            return CommitRecord(int(d["commit"]), float(d["t"]), float(d["persist_s"]), int(d.get("bytes") or 0))
+    except (ValueError, KeyError, TypeError):
+        pass
+    return None
 
 
 class StepLogReader:
@@ -213,7 +253,7 @@ class StepLogReader:
         self._offset = 0
         self._partial = b""
 
-    def poll(self) -> list[StepRecord | SaveRecord]:
+    def poll(self) -> list[LogRecord]:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
@@ -221,41 +261,13 @@ class StepLogReader:
         except OSError:
             return []
         self._offset += len(chunk)
-        data = self._partial + chunk
-        lines = data.split(b"\n")
+        lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()  # an unterminated last line waits for the rest
-        out: list[StepRecord | SaveRecord] = []
-        for line in lines:
-            rec = parse_step_line(line)
-            if rec is not None:
-                out.append(rec)
-        return out
+        return [rec for rec in map(parse_step_line, lines) if rec is not None]
 
 
-def parse_step_line(line: bytes | str) -> StepRecord | SaveRecord | None:
-    try:
-        d = json.loads(line)
-        if "save" in d:
-            return SaveRecord(int(d["save"]), float(d["t"]), float(d["blocking_s"]),
-                              d.get("persist_s"), bool(d.get("committed")), d.get("bytes"))
-        return StepRecord(int(d["step"]), float(d["t"]))
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def read_step_log(path: str | os.PathLike) -> list[StepRecord | SaveRecord]:
+def read_step_log(path: str | os.PathLike) -> list[LogRecord]:
     return StepLogReader(path).poll()
-
-
-def step_line(step: int, t: float | None = None) -> str:
-    return json.dumps({"step": step, "t": round(time.time() if t is None else t, 4)}) + "\n"
-
-
-def save_line(rec: SaveRecord) -> str:
-    d = {"save": rec.step, "t": round(rec.t, 4), "blocking_s": round(rec.blocking_s, 5),
-         "persist_s": None if rec.persist_s is None else round(rec.persist_s, 4),
-         "committed": rec.committed, "bytes": rec.bytes}
-    return json.dumps(d) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------

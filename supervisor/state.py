@@ -70,6 +70,7 @@ class AttemptRecord:
     last_checkpoint_step: int | None = None
     log_dir: str | None = None
     skipped: list[str] | None = None  # newer checkpoint folders passed over at launch, with the reason
+    lost_steps: int | None = None  # steps of this attempt the next one re-executed
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -27,8 +27,17 @@ from supervisor.config import JobConfig
 from supervisor.console import EventConsole
 from supervisor.errors import ExitCode
 from supervisor.fsutil import atomic_write_json
+from supervisor.goodput import Accounting
 from supervisor.layout import RunLayout
-from supervisor.protocol import Handover, Heartbeat, SaveRecord, StepLogReader, StepRecord, read_heartbeats
+from supervisor.protocol import (
+    CommitRecord,
+    Handover,
+    Heartbeat,
+    SaveRecord,
+    StepLogReader,
+    StepRecord,
+    read_heartbeats,
+)
 from supervisor.state import AttemptRecord, RunRecord, RunState
 from supervisor.watch import RankWatch
 
@@ -103,7 +112,10 @@ class Supervisor:
         self.policy = RestartPolicy(cfg.restart)
         self.stop_signal: int | None = None
         self._wake = threading.Event()
+        self._blocking: dict[int, float] = {}
         self.record = self._load_record()
+        self.accounting = Accounting.from_dict(self.record.accounting.get("ledger"), last_seen=self._prev_updated_at)
+        self._restarts_before = self.record.restarts  # the budget is per invocation; the count is not
         self._last_state_write = 0.0
 
     # ---- the record -------------------------------------------------------------------------------
@@ -113,11 +125,12 @@ class Supervisor:
         if self.layout.state_file.is_file():
             with contextlib.suppress(state.StateFileError):
                 prev = state.read(self.layout.state_file)
+        self._prev_updated_at = prev.updated_at if prev else None
         rec = RunRecord(name=self.cfg.name, run_dir=str(self.cfg.run_dir), checkpoint_dir=str(self.cfg.checkpoint.dir),
                         node=self.layout.node, max_restarts=self.cfg.restart.max_restarts)
         if prev is not None:  # a rerun keeps the history, so status tells the whole story
             rec.history, rec.step, rec.last_checkpoint_step = prev.history, prev.step, prev.last_checkpoint_step
-            rec.accounting = prev.accounting
+            rec.accounting, rec.restarts = prev.accounting, prev.restarts
         rec.supervisor = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time(),
                           "version": __version__}
         return rec
@@ -125,6 +138,9 @@ class Supervisor:
     def save_state(self, force: bool = True) -> None:
         now = self.clock()
         if force or now - self._last_state_write >= STATE_EVERY_S:
+            summary = self.accounting.summary(time.time())
+            self.record.goodput = summary["goodput"]
+            self.record.accounting = {"summary": summary, "ledger": self.accounting.to_dict()}
             state.write(self.layout.state_file, self.record)
             self._last_state_write = now
 
@@ -144,6 +160,14 @@ class Supervisor:
     def run(self) -> int:
         self.layout.node_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.layout.job_file, {"schema_version": 1, "job": self.cfg.to_dict()}, durable=False)
+        self.accounting.start_session(time.time())
+        try:
+            return self._loop()
+        finally:
+            self.accounting.end_session(time.time())
+            self.save_state()
+
+    def _loop(self) -> int:
         self.save_state()
         resume_below: int | None = None
         while True:
@@ -154,8 +178,10 @@ class Supervisor:
             outcome = self._run_attempt(spec, choice)
             if outcome.reason == api.FINISHED:
                 self._transition(RunState.SUCCEEDED)
+                g = self.accounting.summary(time.time())
                 self.console.event(f"finished at step {outcome.step} after {len(self.record.history)} attempt(s), "
-                                   f"{self.record.restarts} restart(s)", style="green")
+                                   f"{self.record.restarts} restart(s); goodput {g['goodput']:.1%}, "
+                                   f"{g['lost_steps']} steps lost", style="green")
                 return ExitCode.OK
             if outcome.reason == api.STOPPED:
                 return self._stopped(outcome)
@@ -166,7 +192,7 @@ class Supervisor:
                                           older_valid=older.step if older else None)
             if not decision.relaunch:
                 return self._failed(decision.message, outcome, spec)
-            self.record.restarts = self.policy.restarts
+            self.record.restarts = self._restarts_before + self.policy.restarts
             self._transition(RunState.RESTARTING)
             resume_below = decision.resume_below
             if resume_below is not None:
@@ -209,6 +235,9 @@ class Supervisor:
         rec = AttemptRecord(attempt=spec.attempt, started_at=time.time(), resumed_from_step=choice.step,
                             log_dir=str(spec.logs_dir),
                             skipped=[f"{n}: {w}" for n, w in choice.skipped] or None)
+        self.accounting.launch(spec.attempt, rec.started_at, choice.step)
+        if len(self.record.history) and self.accounting.attempts[:-1]:
+            self.record.history[-1].lost_steps = self.accounting.attempts[-2].lost_steps
         self.record.history.append(rec)
         self.record.attempt = spec.attempt
         self._transition(RunState.RUNNING)
@@ -222,6 +251,10 @@ class Supervisor:
                 self.console.event(f"processes survived SIGKILL: {survivors}", style="red")
             handle.close()
         rec.ended_at = time.time()
+        self.accounting.end(rec.ended_at)
+        logged = self.accounting.attempts[-1].last_step  # the step log is exact; heartbeats lag by an interval
+        if logged is not None and (outcome.step is None or logged > outcome.step):
+            outcome.step = logged
         rec.reason, rec.detail, rec.failed_rank = outcome.reason, outcome.detail, outcome.failed_rank
         rec.exit_code, rec.step_at_failure = outcome.exit_code, None if outcome.reason == api.FINISHED else outcome.step
         newest = store.latest_valid(self.cfg.checkpoint.dir)  # authoritative, even if the step log lagged
@@ -275,10 +308,14 @@ class Supervisor:
                     self.console.event(f"attempt {rec.attempt}: training (first step {r.step} after "
                                        f"{r.t - rec.started_at:.1f}s)")
                 self.record.step = r.step
-            elif isinstance(r, SaveRecord) and r.committed:
+                self.accounting.step(r.step, r.t)
+            elif isinstance(r, SaveRecord):
+                self.accounting.save(r.step, r.blocking_s)
+                self._blocking[r.step] = r.blocking_s
+            elif isinstance(r, CommitRecord):
                 self._on_checkpoint(r)
 
-    def _on_checkpoint(self, r: SaveRecord) -> None:
+    def _on_checkpoint(self, r: CommitRecord) -> None:
         self.record.last_checkpoint_step = r.step
         removed = ""
         plan = retention.plan(self.cfg.checkpoint.dir, store.scan(self.cfg.checkpoint.dir), self.cfg.checkpoint.keep,
@@ -286,7 +323,10 @@ class Supervisor:
         if plan.remove:
             retention.apply(plan)
             removed = "; removed " + ", ".join(p.path.name for p in plan.remove)
-        self.console.event(f"checkpoint step {r.step} committed (training blocked {r.blocking_s:.3f}s){removed}")
+        blocked = self._blocking.pop(r.step, None)
+        how = f"training blocked {blocked:.3f}s, " if blocked is not None else ""
+        self.console.event(f"checkpoint step {r.step} committed ({how}{r.bytes / 1e6:.1f} MB in {r.persist_s:.2f}s)"
+                           f"{removed}")
         self.save_state()
 
     def _update_ranks(self, heartbeats: dict[int, Heartbeat], watch: RankWatch, now: float) -> None:

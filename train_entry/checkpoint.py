@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from supervisor import store
-from supervisor.protocol import SaveRecord
+from supervisor.protocol import CommitRecord
 from train_entry.dist import DistContext
 
 log = logging.getLogger("train_entry")
@@ -75,11 +75,11 @@ class _Writer(FileSystemWriter):
 
 class Checkpointer:
     def __init__(self, root: str | Path, ctx: DistContext, *, async_save: bool,
-                 on_saved: Callable[[SaveRecord], None] | None = None, pause: SavePause | None = None):
+                 on_committed: Callable[[CommitRecord], None] | None = None, pause: SavePause | None = None):
         self.root = Path(root)
         self.ctx = ctx
         self.async_save = async_save
-        self.on_saved = on_saved
+        self.on_committed = on_committed
         self.pause = pause
         self.last_save_s: float | None = None  # wall time of the last whole save, blocking + persist
         self._stager: Any = None
@@ -158,11 +158,9 @@ class Checkpointer:
                 size = sum(r.size for r in all_records)
                 log.info("checkpoint step %d committed: %s, %.1f MB, blocked %.3fs, total %.2fs",
                          step, final.name, size / 1e6, blocking_s if blocking_s is not None else total, total)
+                if self.on_committed is not None:
+                    self.on_committed(CommitRecord(step, time.time(), total, size))
             self.last_save_s = time.monotonic() - t0
-            if self.on_saved is not None:
-                blocking = blocking_s if blocking_s is not None else self.last_save_s
-                self.on_saved(SaveRecord(step, time.time(), blocking, self.last_save_s, True,
-                                         sum(r.size for r in records)))
         finally:
             if partial is not None:
                 partial.close()  # uncommitted: an abandoned partial folder, never a checkpoint

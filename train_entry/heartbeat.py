@@ -17,7 +17,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor.protocol import Heartbeat, SaveRecord, read_control, save_line, step_line, write_heartbeat
+from supervisor.protocol import (
+    CommitRecord,
+    Heartbeat,
+    SaveRecord,
+    commit_line,
+    read_control,
+    save_line,
+    step_line,
+    write_heartbeat,
+)
 
 log = logging.getLogger("train_entry")
 
@@ -34,7 +43,7 @@ class Beater:
         self.supervisor_pid = supervisor_pid
         self.on_orphaned = on_orphaned
         self.control_interval: int | None = None  # the supervisor's latest checkpoint interval, if any
-        self._lines: list[str] = []
+        self._log_fd: int | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -50,6 +59,7 @@ class Beater:
             Path(self.folder).mkdir(parents=True, exist_ok=True)
         if self.step_log:
             self.step_log.parent.mkdir(parents=True, exist_ok=True)
+            self._log_fd = os.open(self.step_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._write()
         self._thread.start()
         # A rank that dies of an exception still leaves its last step and the error in its heartbeat.
@@ -90,8 +100,14 @@ class Beater:
                 if own_s is not None and self._own_s > 0:
                     hb.own_steps_per_s = round(steps / self._own_s, 3)
                 self._rate_t, self._rate_step, self._own_s = t, step, 0.0
-            if self.step_log:
-                self._lines.append(step_line(step, t))
+        self._append(step_line(step, t))  # at once, so a SIGKILL loses no completed step from the log
+
+    def _append(self, line: str) -> None:
+        if self._log_fd is not None:
+            try:
+                os.write(self._log_fd, line.encode())
+            except OSError:
+                log.exception("cannot append to the step log %s", self.step_log)
 
     def update(self, **fields: object) -> None:
         with self._lock:
@@ -99,11 +115,17 @@ class Beater:
                 setattr(self.hb, k, v)
 
     def record_save(self, rec: SaveRecord) -> None:
+        """The blocking part of a save ended (every rank; logged by the node's local rank 0)."""
         with self._lock:
-            self.hb.last_save = {"step": rec.step, "blocking_s": rec.blocking_s, "persist_s": rec.persist_s,
-                                 "committed": rec.committed}
-            if self.step_log:
-                self._lines.append(save_line(rec))
+            self.hb.last_save = {"step": rec.step, "blocking_s": rec.blocking_s, "committed": False}
+        self._append(save_line(rec))
+
+    def record_commit(self, rec: CommitRecord) -> None:
+        """Global rank 0 committed a checkpoint."""
+        with self._lock:
+            self.hb.last_save = {"step": rec.step, "persist_s": rec.persist_s, "committed": True,
+                                 "blocking_s": (self.hb.last_save or {}).get("blocking_s")}
+        self._append(commit_line(rec))
         self._wake.set()
 
     def stop(self, **final: object) -> None:
@@ -122,12 +144,8 @@ class Beater:
             self.hb.seq += 1
             self.hb.time = time.time()
             snapshot = Heartbeat.from_dict(self.hb.to_dict())
-            lines, self._lines = self._lines, []
         if self.folder:
             write_heartbeat(self.folder, snapshot)
-        if lines and self.step_log:
-            with open(self.step_log, "a") as f:
-                f.write("".join(lines))
 
     def _supervisor_gone(self) -> bool:
         if self.supervisor_pid is None:

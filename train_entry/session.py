@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from supervisor import store
-from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat
+from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat, SaveRecord
 from train_entry import dist as dist_util
 from train_entry import signals
 from train_entry.checkpoint import Checkpointer, SavePause
@@ -87,8 +87,9 @@ class Session:
                        started_at=time.time(),
                        log_dir=os.path.dirname(os.environ.get("TORCHELASTIC_ERROR_FILE", "")) or None,
                        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
         beater = Beater(hb, h.heartbeat_dir or heartbeat_dir, h.heartbeat_interval_s or heartbeat_interval_s,
-                        step_log=h.step_log if rank == 0 else None,
+                        step_log=h.step_log if local_rank == 0 else None,
                         control_file=h.control_file if rank == 0 else None,
                         supervisor_pid=h.supervisor_pid, on_orphaned=lambda: stop.set("supervisor gone"))
         beater.start()
@@ -97,7 +98,7 @@ class Session:
         root = h.ckpt_dir or ckpt_dir or "checkpoints"
         use_async = h.ckpt_async if h.ckpt_async is not None else (True if async_save is None else async_save)
         ckpt = Checkpointer(root, ctx, async_save=use_async,
-                            on_saved=beater.record_save if ctx.is_main else None, pause=save_pause)
+                            on_committed=beater.record_commit if ctx.is_main else None, pause=save_pause)
         interval = h.ckpt_interval if h.supervised else ckpt_interval
         grace = (h.stop_grace_s or DEFAULT_GRACE_S) - GRACE_MARGIN_S
         if ctx.is_main:
@@ -239,6 +240,7 @@ class Session:
         blocking = self.ckpt.save(step, lambda: state.state_dict(self.rank, self.device), sync=sync,
                                   extra=extra)
         self.last_saved_step = step
+        self.beater.record_save(SaveRecord(step, time.time(), blocking))
         self.beater.update(saving_step=self.ckpt.in_flight)
         self.beater.set_phase("train")
         return blocking

@@ -1,0 +1,162 @@
+"""Goodput accounting: where the wall time of a run went, from events the supervisor already sees.
+
+Per attempt, on the wall clock of the node (launch and end from the supervisor, steps and saves from the
+step log of the node's local rank 0):
+
+    startup   launch → first completed step (imports, rendezvous, loading the checkpoint, first step)
+    train     first step → last step; of which
+      blocking    training blocked by checkpoint saves
+      lost        steps re-executed later: those beyond the step the next attempt resumed from
+    tail      last step → end of the attempt (detecting the failure, stopping the processes)
+    down      end of an attempt → launch of the next (classifying, backoff)
+
+useful = train − lost − blocking (of the kept steps); goodput = useful / wall, where wall is the time a
+supervisor was running (summed over `resilient run` invocations: time with no supervisor is not charged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+KEEP_SAVES = 32
+
+
+@dataclass
+class AttemptAccount:
+    attempt: int
+    launched_at: float
+    resume_step: int | None
+    first_step_at: float | None = None
+    last_step: int | None = None
+    last_step_at: float | None = None
+    ended_at: float | None = None
+    steps_run: int = 0
+    blocking_s: float = 0.0
+    saved_at: dict[str, float] = field(default_factory=dict)  # saved step (str, for JSON) → when it completed
+    blocking_by_step: dict[str, float] = field(default_factory=dict)
+    lost_steps: int = 0
+    lost_s: float = 0.0
+    lost_blocking_s: float = 0.0
+    finalized: bool = False
+
+    @property
+    def train_s(self) -> float:
+        if self.first_step_at is None or self.last_step_at is None:
+            return 0.0
+        return self.last_step_at - self.first_step_at
+
+    @property
+    def startup_s(self) -> float:
+        end = self.first_step_at if self.first_step_at is not None else (self.ended_at or self.launched_at)
+        return max(0.0, end - self.launched_at)
+
+    @property
+    def tail_s(self) -> float:
+        if self.ended_at is None:
+            return 0.0
+        return max(0.0, self.ended_at - (self.last_step_at if self.last_step_at is not None else self.ended_at))
+
+    @property
+    def useful_s(self) -> float:
+        return max(0.0, self.train_s - self.lost_s - (self.blocking_s - self.lost_blocking_s))
+
+
+@dataclass
+class Accounting:
+    attempts: list[AttemptAccount] = field(default_factory=list)
+    wall_before_s: float = 0.0  # supervised wall time of earlier `resilient run` invocations
+    session_started: float | None = None
+    down_s: float = 0.0
+
+    # ---- events -----------------------------------------------------------------------------------
+
+    def start_session(self, t: float) -> None:
+        self.session_started = t
+
+    def end_session(self, t: float) -> None:
+        if self.session_started is not None:
+            self.wall_before_s += t - self.session_started
+            self.session_started = None
+
+    def launch(self, attempt: int, t: float, resume_step: int | None) -> None:
+        if self.attempts:
+            prev = self.attempts[-1]
+            self.finalize(prev, resume_step)
+            if prev.ended_at is not None and self.session_started is not None and prev.ended_at >= self.session_started:
+                self.down_s += max(0.0, t - prev.ended_at)
+        self.attempts.append(AttemptAccount(attempt, t, resume_step))
+
+    def step(self, step: int, t: float) -> None:
+        a = self.attempts[-1]
+        if a.first_step_at is None:
+            a.first_step_at = t
+        a.last_step, a.last_step_at = step, t
+        a.steps_run += 1
+
+    def save(self, step: int, blocking_s: float) -> None:
+        """A save of `step` blocked training for `blocking_s` (it follows the step's own record)."""
+        a = self.attempts[-1]
+        a.blocking_s += blocking_s
+        key = str(step)
+        a.blocking_by_step[key] = a.blocking_by_step.get(key, 0.0) + blocking_s
+        if a.last_step == step and a.last_step_at is not None:
+            a.saved_at[key] = a.last_step_at  # only saved steps can be where a later attempt resumes
+        for d in (a.saved_at, a.blocking_by_step):  # bounded: resume points are among the newest saves
+            for old in list(d)[:-KEEP_SAVES]:
+                del d[old]
+
+    def end(self, t: float) -> None:
+        self.attempts[-1].ended_at = t
+
+    def finalize(self, a: AttemptAccount, resume_step: int | None) -> None:
+        """Charge the work of attempt `a` that the next attempt (resuming from `resume_step`) redoes."""
+        if a.finalized:
+            return
+        a.finalized = True
+        if a.last_step is None or a.last_step_at is None:
+            return
+        start = a.resume_step or 0
+        r = resume_step or 0
+        if r >= a.last_step:
+            return
+        kept_until = max(r, start)
+        a.lost_steps = a.last_step - kept_until
+        t_kept = a.saved_at.get(str(kept_until)) if kept_until > start else None
+        a.lost_s = a.last_step_at - t_kept if t_kept is not None else a.train_s
+        a.lost_blocking_s = sum(b for s, b in a.blocking_by_step.items() if int(s) > kept_until)
+
+    # ---- results ----------------------------------------------------------------------------------
+
+    def summary(self, now: float) -> dict[str, Any]:
+        wall = self.wall_before_s + (now - self.session_started if self.session_started is not None else 0.0)
+        useful = sum(a.useful_s for a in self.attempts)
+        out = {
+            "wall_s": wall,
+            "useful_s": useful,
+            "startup_s": sum(a.startup_s for a in self.attempts),
+            "train_s": sum(a.train_s for a in self.attempts),
+            "checkpoint_blocking_s": sum(a.blocking_s for a in self.attempts),
+            "lost_steps": sum(a.lost_steps for a in self.attempts),
+            "lost_s": sum(a.lost_s for a in self.attempts),
+            "tail_s": sum(a.tail_s for a in self.attempts),
+            "down_s": self.down_s,
+            "attempts": len(self.attempts),
+            "goodput": useful / wall if wall > 0 else None,
+        }
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None, *, last_seen: float | None = None) -> Accounting:
+        """Restore a ledger. A session that never ended (its supervisor was killed) is charged up to
+        `last_seen`, the last time that supervisor wrote its state."""
+        if not d:
+            return cls()
+        attempts = [AttemptAccount(**a) for a in d.get("attempts", [])]
+        wall = float(d.get("wall_before_s", 0.0))
+        if d.get("session_started") is not None and last_seen is not None:
+            wall += max(0.0, last_seen - float(d["session_started"]))
+        return cls(attempts, wall, None, float(d.get("down_s", 0.0)))

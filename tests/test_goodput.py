@@ -1,0 +1,79 @@
+"""Goodput accounting on scripted event streams with known answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.goodput import Accounting
+
+
+def run_steps(acc: Accounting, first: int, last: int, t0: float, dt: float, saves: dict[int, float]) -> None:
+    for s in range(first, last + 1):
+        acc.step(s, t0 + dt * (s - first + 1))
+        if s in saves:
+            acc.save(s, saves[s])
+
+
+def test_one_failure_then_finish():
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, None)
+    run_steps(acc, 1, 30, 5.0, 0.1, {10: 0.05, 20: 0.05})  # step 1 at 5.1 ... step 30 at 8.0
+    acc.end(8.5)  # failed: 0.5 s to notice and stop
+    acc.launch(2, 9.5, 20)  # resumes from 20: steps 21..30 were lost
+    run_steps(acc, 21, 50, 13.0, 0.1, {30: 0.05, 40: 0.05, 50: 0.05})  # step 21 at 13.1 ... step 50 at 16.0
+    acc.end(16.2)
+    acc.end_session(16.5)
+    a1, a2 = acc.attempts
+    assert a1.lost_steps == 10 and a1.lost_s == pytest.approx(1.0)
+    assert a1.startup_s == pytest.approx(5.1) and a1.train_s == pytest.approx(2.9)
+    assert a1.useful_s == pytest.approx(2.9 - 1.0 - 0.1)
+    assert a1.tail_s == pytest.approx(0.5)
+    assert a2.startup_s == pytest.approx(3.6) and a2.useful_s == pytest.approx(2.9 - 0.15)
+    s = acc.summary(100.0)  # the session ended: `now` no longer counts
+    assert s["wall_s"] == pytest.approx(16.5) and s["down_s"] == pytest.approx(1.0)
+    assert s["lost_steps"] == 10 and s["useful_s"] == pytest.approx(4.55)
+    assert s["goodput"] == pytest.approx(4.55 / 16.5, abs=1e-3)
+    parts = s["startup_s"] + s["train_s"] + s["tail_s"] + s["down_s"]
+    assert parts == pytest.approx(16.2)  # the rest is the supervisor's own start and finish
+
+
+def test_loss_counts_only_steps_beyond_the_resume_point_and_survives_a_reload():
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, 40)
+    run_steps(acc, 41, 55, 2.0, 1.0, {50: 0.2})
+    acc.end(20.0)
+    # The supervisor was killed (its session never ended; it last wrote its state at t=21), then rerun.
+    restored = Accounting.from_dict(acc.to_dict(), last_seen=21.0)
+    restored.start_session(30.0)
+    restored.launch(2, 30.0, 50)
+    a1 = restored.attempts[0]
+    assert a1.lost_steps == 5 and a1.lost_s == pytest.approx(5.0) and a1.lost_blocking_s == 0.0
+    assert restored.summary(35.0)["wall_s"] == pytest.approx(21.0 + 5.0)
+
+
+def test_rollback_below_the_attempts_start_loses_all_of_it():
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, 40)
+    run_steps(acc, 41, 60, 2.0, 1.0, {50: 0.1, 60: 0.1})
+    acc.end(25.0)
+    acc.launch(2, 26.0, 20)  # a NaN rollback to step 20
+    a1 = acc.attempts[0]
+    assert a1.lost_steps == 20 and a1.lost_s == pytest.approx(a1.train_s)
+    assert a1.lost_blocking_s == pytest.approx(0.2) and a1.useful_s == 0.0
+
+
+def test_a_stop_that_checkpoints_loses_nothing():
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, None)
+    run_steps(acc, 1, 33, 1.0, 0.5, {10: 0.1, 20: 0.1, 30: 0.1, 33: 1.0})
+    acc.end(20.0)
+    acc.end_session(20.5)
+    acc.start_session(100.0)
+    acc.launch(2, 100.0, 33)
+    assert acc.attempts[0].lost_steps == 0
+    s = acc.summary(100.0)
+    assert s["wall_s"] == pytest.approx(20.5) and s["down_s"] == 0.0

@@ -1,0 +1,43 @@
+"""Goodput on a real run with two injected failures: lost steps equal the steps actually re-executed."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import time
+
+import pytest
+
+from supervisor.protocol import StepRecord, read_step_log
+from tests.proc import started, wait_for
+from tests.test_supervisor_e2e import live_ranks, run_job, status
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_failures_lost_steps_match_the_step_logs(tmp_path):
+    run_dir = tmp_path / "run"
+    with started(run_job(run_dir, steps=160, sleep=0.02), tmp_path, log=tmp_path / "sup.log") as sup:
+        for n, at_step in enumerate((35, 95)):
+            wait_for(lambda at=at_step: live_ranks(run_dir, min_step=at), 120, f"step {at_step}")
+            time.sleep(0.3 * n)
+            os.kill(live_ranks(run_dir)[n % 2]["pid"], signal.SIGKILL)
+            wait_for(lambda k=n: len(status(run_dir)["history"]) >= k + 2, 60, "the relaunch")
+        assert sup.wait(240) == 0, sup.output()[-3000:]
+    doc = status(run_dir)
+    assert [h["reason"] for h in doc["history"]] == ["worker_signal", "worker_signal", "finished"]
+    executed: collections.Counter = collections.Counter()
+    last_logged = []
+    for k in (1, 2, 3):
+        steps = [r.step for r in read_step_log(run_dir / "steps" / f"attempt_{k}.jsonl") if isinstance(r, StepRecord)]
+        executed.update(steps)
+        last_logged.append(max(steps))
+    re_executed = sum(n - 1 for n in executed.values())
+    assert set(executed) == set(range(1, 161))
+    summary = doc["accounting"]["summary"]
+    assert re_executed > 0 and summary["lost_steps"] == re_executed, (summary, re_executed)
+    assert [h["lost_steps"] for h in doc["history"][:2]] == [
+        last_logged[0] - doc["history"][1]["resumed_from_step"], last_logged[1] - doc["history"][2]["resumed_from_step"]]
+    assert [h["step_at_failure"] for h in doc["history"][:2]] == last_logged[:2]
+    assert 0 < doc["goodput"] < 1 and summary["lost_s"] > 0
