@@ -128,6 +128,14 @@ class Accounting:
 
     # ---- results ----------------------------------------------------------------------------------
 
+    def restart_costs(self) -> list[float]:
+        """Per relaunch: last step of the failed attempt → first step of the next one."""
+        out = []
+        for prev, cur in zip(self.attempts, self.attempts[1:], strict=False):
+            if prev.last_step_at is not None and cur.first_step_at is not None:
+                out.append(cur.first_step_at - prev.last_step_at)
+        return out
+
     def summary(self, now: float) -> dict[str, Any]:
         wall = self.wall_before_s + (now - self.session_started if self.session_started is not None else 0.0)
         useful = sum(a.useful_s for a in self.attempts)

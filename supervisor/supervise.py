@@ -28,15 +28,18 @@ from supervisor.console import EventConsole
 from supervisor.errors import ExitCode
 from supervisor.fsutil import atomic_write_json
 from supervisor.goodput import Accounting
+from supervisor.interval import IntervalTuner
 from supervisor.layout import RunLayout
 from supervisor.protocol import (
     CommitRecord,
+    Control,
     Handover,
     Heartbeat,
     SaveRecord,
     StepLogReader,
     StepRecord,
     read_heartbeats,
+    write_control,
 )
 from supervisor.state import AttemptRecord, RunRecord, RunState
 from supervisor.watch import RankWatch
@@ -116,6 +119,11 @@ class Supervisor:
         self.record = self._load_record()
         self.accounting = Accounting.from_dict(self.record.accounting.get("ledger"), last_seen=self._prev_updated_at)
         self._restarts_before = self.record.restarts  # the budget is per invocation; the count is not
+        ck = cfg.checkpoint
+        self.tuner = (IntervalTuner(ck.expected_mtbf_s, ck.min_interval_steps, ck.max_interval_steps)
+                      if ck.auto else None)
+        self.control_file = layout.node_dir / "control.json"
+        self._interval: int | None = ck.interval_steps
         self._last_state_write = 0.0
 
     # ---- the record -------------------------------------------------------------------------------
@@ -168,6 +176,10 @@ class Supervisor:
             self.save_state()
 
     def _loop(self) -> int:
+        if self.tuner is None:
+            self.control_file.unlink(missing_ok=True)  # a stale "auto" choice must not override a fixed interval
+            self.record.checkpoint_interval = {"mode": "fixed", "steps": self.cfg.checkpoint.interval_steps,
+                                               "why": "checkpoint.interval_steps in the job file"}
         self.save_state()
         resume_below: int | None = None
         while True:
@@ -205,7 +217,7 @@ class Supervisor:
         attempt = (self.record.history[-1].attempt + 1) if self.record.history else 1
         logs = self.layout.logs_dir(attempt)
         return AttemptSpec(attempt, choice.step, choice.path, logs, self.layout.heartbeat_dir(attempt),
-                           self.layout.step_log(attempt), self.layout.node_dir / "control.json")
+                           self.layout.step_log(attempt), self.control_file)
 
     def _handover(self, spec: AttemptSpec) -> Handover:
         c = self.cfg
@@ -241,6 +253,9 @@ class Supervisor:
         self.record.history.append(rec)
         self.record.attempt = spec.attempt
         self._transition(RunState.RUNNING)
+        if self.tuner is not None:
+            self.tuner.new_attempt()
+            self._retune()
         oom_before = oom_kills()
         handle = self.launcher(self.cfg, spec, self._handover(spec))
         try:
@@ -309,11 +324,33 @@ class Supervisor:
                                        f"{r.t - rec.started_at:.1f}s)")
                 self.record.step = r.step
                 self.accounting.step(r.step, r.t)
+                if self.tuner is not None:
+                    self.tuner.on_step(r.step, r.t)
             elif isinstance(r, SaveRecord):
                 self.accounting.save(r.step, r.blocking_s)
                 self._blocking[r.step] = r.blocking_s
+                if self.tuner is not None:
+                    self.tuner.on_save(r.step, r.blocking_s)
             elif isinstance(r, CommitRecord):
+                if self.tuner is not None:
+                    self.tuner.on_commit(r.step, r.persist_s)
                 self._on_checkpoint(r)
+                if self.tuner is not None:
+                    self._retune()
+
+    def _retune(self) -> None:
+        """Re-evaluate the auto interval; tell rank 0 (control file) when it moves by 10 % or more."""
+        assert self.tuner is not None
+        failures = sum(1 for h in self.record.history if h.reason in api.RETRYABLE)
+        costs = self.accounting.restart_costs()
+        restart = sorted(costs)[len(costs) // 2] if costs else None
+        choice = self.tuner.choose(self.accounting.summary(time.time())["wall_s"], failures, restart)
+        self.record.checkpoint_interval = choice.to_dict()
+        if self._interval is None or abs(choice.steps - self._interval) >= 0.1 * self._interval:
+            write_control(self.control_file, Control(choice.steps, choice.why))
+            if self._interval is not None or choice.seconds is not None:
+                self.console.event(f"checkpoint interval {self._interval or '-'} → {choice.steps} steps ({choice.why})")
+            self._interval = choice.steps
 
     def _on_checkpoint(self, r: CommitRecord) -> None:
         self.record.last_checkpoint_step = r.step

@@ -1,0 +1,142 @@
+"""`checkpoint.interval_steps: auto`: the checkpoint interval from measured save cost and failure rate.
+
+Young/Daly: with C the cost of one checkpoint to training, F the mean time between failures and R the cost
+of a restart, the interval that minimises expected waste is, to first order (Daly 2006),
+
+    T* = sqrt(2·C·(F + R)) − C        (for C < F/2; T* = F beyond)
+
+and the waste at T* is about C/T* + (T*/2 + R)/F. Here:
+- C is what a save really costs training: the time it blocks the loop, plus the extra time of the steps
+  that ran while the save persisted in the background (on a busy host those steps are slower);
+- F is (prior + supervised wall time) / (1 + failures): the prior (`checkpoint.expected_mtbf_s`, default
+  one hour) counts as one pseudo-interval, so a new run starts from the prior and observed failures move it;
+- R is the measured restart cost (failure → first step of the next attempt), 0 until one is seen.
+T* becomes steps through the median step time, bounded by `min_interval_steps`/`max_interval_steps`, and
+never below the steps a background save needs to finish (so saves never queue behind each other).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+DEFAULT_MTBF_S = 3600.0
+COLD_START_STEPS = 50  # until a save and some steps have been measured
+
+
+def young_daly(save_cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
+    """The interval in seconds that minimises the expected waste (Daly's first-order form)."""
+    if save_cost_s <= 0:
+        return 0.0
+    if save_cost_s >= mtbf_s / 2:
+        return mtbf_s
+    return math.sqrt(2 * save_cost_s * (mtbf_s + restart_s)) - save_cost_s
+
+
+def expected_waste(interval_s: float, save_cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
+    """Fraction of wall time lost with checkpoints every `interval_s`: saving, redoing half an interval and
+    restarting per failure."""
+    if interval_s <= 0:
+        return 1.0
+    return min(1.0, save_cost_s / interval_s + (interval_s / 2 + restart_s) / mtbf_s)
+
+
+def mtbf_estimate(prior_s: float | None, observed_s: float, failures: int) -> float:
+    return ((prior_s or DEFAULT_MTBF_S) + observed_s) / (1 + failures)
+
+
+@dataclass(frozen=True)
+class IntervalChoice:
+    steps: int
+    why: str
+    seconds: float | None = None
+    save_cost_s: float | None = None
+    mtbf_s: float | None = None
+    restart_s: float | None = None
+    step_s: float | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"mode": "auto", "steps": self.steps, "seconds": _r(self.seconds), "why": self.why,
+                "save_cost_s": _r(self.save_cost_s), "mtbf_s": _r(self.mtbf_s), "restart_s": _r(self.restart_s),
+                "step_s": _r(self.step_s, 5)}
+
+
+def _r(v: float | None, nd: int = 3) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+class IntervalTuner:
+    """Learns step time and save cost from the step log; `choose` applies Young/Daly."""
+
+    def __init__(self, prior_mtbf_s: float | None, min_steps: int, max_steps: int):
+        self.prior = prior_mtbf_s
+        self.min_steps, self.max_steps = min_steps, max_steps
+        self.step_dts: deque[float] = deque(maxlen=400)
+        self.costs: deque[float] = deque(maxlen=10)
+        self.persist: deque[float] = deque(maxlen=10)
+        self._last: tuple[int, float] | None = None
+        self._flight: dict[int, list[float]] = {}  # save step → durations of the steps run while it persisted
+        self._blocking: dict[int, float] = {}
+
+    # ---- what the supervisor sees ------------------------------------------------------------------
+
+    def new_attempt(self) -> None:
+        self._last = None
+        self._flight.clear()
+        self._blocking.clear()
+
+    def on_step(self, step: int, t: float) -> None:
+        if self._last is not None and step == self._last[0] + 1:
+            dt = t - self._last[1]
+            if self._flight:
+                for durations in self._flight.values():
+                    durations.append(dt)
+            else:
+                self.step_dts.append(dt)
+        self._last = (step, t)
+
+    def on_save(self, step: int, blocking_s: float) -> None:
+        self._blocking[step] = blocking_s
+        self._flight[step] = []
+        if self._last is not None:
+            self._last = (self._last[0], self._last[1] + blocking_s)  # the blocked time is not a step's
+
+    def on_commit(self, step: int, persist_s: float) -> None:
+        blocking = self._blocking.pop(step, None)
+        during = self._flight.pop(step, [])
+        self.persist.append(persist_s)
+        if blocking is None:
+            return
+        base = self.step_s
+        slowdown = sum(max(0.0, d - base) for d in during) if base is not None else 0.0
+        self.costs.append(blocking + slowdown)
+
+    # ---- estimates -----------------------------------------------------------------------------------
+
+    @property
+    def step_s(self) -> float | None:
+        return statistics.median(self.step_dts) if len(self.step_dts) >= 5 else None
+
+    @property
+    def save_cost_s(self) -> float | None:
+        return statistics.median(self.costs) if self.costs else None
+
+    def choose(self, observed_s: float, failures: int, restart_s: float | None) -> IntervalChoice:
+        step_s, cost = self.step_s, self.save_cost_s
+        if step_s is None or cost is None:
+            steps = max(self.min_steps, min(self.max_steps, COLD_START_STEPS))
+            return IntervalChoice(steps, f"cold start: {steps} steps until a save and the step time are measured")
+        mtbf = mtbf_estimate(self.prior, observed_s, failures)
+        restart = restart_s or 0.0
+        t_opt = young_daly(cost, mtbf, restart)
+        steps = max(1, round(t_opt / step_s))
+        floor = math.ceil(max(self.persist, default=0.0) / step_s) if self.persist else 1
+        bounded = max(self.min_steps, floor, min(self.max_steps, steps))
+        prior = f"prior {self.prior or DEFAULT_MTBF_S:.0f}s" + ("" if self.prior else " (default)")
+        why = (f"Young/Daly: save cost {cost:.3f}s, MTBF {mtbf:.0f}s ({prior}, {failures} failure(s) in "
+               f"{observed_s:.0f}s), restart {restart:.1f}s → T*={t_opt:.1f}s = {steps} steps of {step_s * 1e3:.1f}ms")
+        if bounded != steps:
+            why += f", bounded to {bounded}"
+        return IntervalChoice(bounded, why, t_opt, cost, mtbf, restart, step_s)

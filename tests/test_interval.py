@@ -1,0 +1,63 @@
+"""The auto checkpoint interval: Young/Daly, the MTBF estimate, and the tuner fed by a step log."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from supervisor.interval import COLD_START_STEPS, IntervalTuner, expected_waste, mtbf_estimate, young_daly
+
+
+def test_young_daly_matches_the_formula_and_minimises_waste():
+    c, f, r = 2.0, 3600.0, 30.0
+    t = young_daly(c, f, r)
+    assert t == pytest.approx(math.sqrt(2 * c * (f + r)) - c)
+    around = [expected_waste(t * k, c, f, r) for k in (0.5, 0.8, 1.0, 1.25, 2.0)]
+    assert min(around) == around[2]
+    assert young_daly(0.0, f) == 0.0 and young_daly(f, f) == f
+
+
+def test_mtbf_estimate_moves_from_the_prior_with_failures():
+    assert mtbf_estimate(None, 0.0, 0) == 3600.0
+    assert mtbf_estimate(600.0, 0.0, 0) == 600.0
+    assert mtbf_estimate(600.0, 1800.0, 3) == pytest.approx(600.0)
+    assert mtbf_estimate(600.0, 5400.0, 0) == pytest.approx(6000.0)
+
+
+def feed(tuner: IntervalTuner, steps: range, dt: float, t0: float = 0.0) -> float:
+    t = t0
+    for s in steps:
+        t += dt
+        tuner.on_step(s, t)
+    return t
+
+
+def test_tuner_cold_start_then_young_daly_with_bounds():
+    tuner = IntervalTuner(prior_mtbf_s=200.0, min_steps=5, max_steps=10_000)
+    assert tuner.choose(0.0, 0, None).steps == COLD_START_STEPS
+    t = feed(tuner, range(1, 51), 0.1)
+    tuner.on_save(50, 0.5)
+    t = feed(tuner, range(51, 56), 0.1, t + 0.5)  # the save persisted while 5 normal-speed steps ran
+    tuner.on_commit(50, 0.4)
+    choice = tuner.choose(observed_s=0.0, failures=0, restart_s=None)
+    expected = math.sqrt(2 * 0.5 * 200.0) - 0.5
+    assert choice.seconds == pytest.approx(expected) and choice.steps == round(expected / 0.1)
+    assert "Young/Daly" in choice.why and choice.mtbf_s == 200.0
+    # More failures observed → shorter interval; the lower bound holds.
+    assert tuner.choose(observed_s=100.0, failures=10, restart_s=5.0).steps < choice.steps
+    tight = IntervalTuner(prior_mtbf_s=1.0, min_steps=40, max_steps=100)
+    tight.step_dts.extend([0.1] * 10)
+    tight.costs.append(0.01)
+    assert tight.choose(0.0, 0, None).steps == 40
+
+
+def test_slow_steps_during_a_background_save_count_as_save_cost():
+    tuner = IntervalTuner(3600.0, 1, 10_000)
+    t = feed(tuner, range(1, 21), 0.1)
+    tuner.on_save(20, 0.01)
+    feed(tuner, range(21, 26), 0.3, t + 0.01)  # five steps ran 0.2 s slower while the save persisted
+    tuner.on_commit(20, 1.5)
+    assert tuner.save_cost_s == pytest.approx(0.01 + 5 * 0.2)
+    # A save that takes 1.5 s to persist means at least 15 steps between saves.
+    assert tuner.choose(0.0, 0, None).steps >= 15
