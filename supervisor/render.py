@@ -12,7 +12,7 @@ from rich.console import Console
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
 
-STATUS_STYLE = {"valid": "green", "incomplete": "yellow", "corrupt": "red", "succeeded": "green",
+STATUS_STYLE = {"valid": "green", "incomplete": "yellow", "corrupt": "red", "succeeded": "green", "finished": "green",
                 "running": "cyan", "restarting": "yellow", "failed": "red", "stopped": "magenta",
                 "pending": "dim"}
 
@@ -46,6 +46,14 @@ def local_time(ts: float | None) -> str:
     if ts is None:
         return "-"
     return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def clock(ts: float | None) -> str:
+    """HH:MM:SS for today, else the date too."""
+    if ts is None:
+        return "-"
+    d = dt.datetime.fromtimestamp(ts)
+    return d.strftime("%H:%M:%S") if d.date() == dt.date.today() else d.strftime("%Y-%m-%d %H:%M")
 
 
 def styled(word: str) -> str:

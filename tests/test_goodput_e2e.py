@@ -5,13 +5,14 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import subprocess
 import time
 
 import pytest
 
 from supervisor.protocol import StepRecord, read_step_log
-from tests.proc import started, wait_for
-from tests.test_supervisor_e2e import live_ranks, run_job, status
+from tests.proc import child_env, started, wait_for
+from tests.test_supervisor_e2e import live_ranks, resilient, run_job, status
 
 pytestmark = pytest.mark.slow
 
@@ -41,3 +42,13 @@ def test_two_failures_lost_steps_match_the_step_logs(tmp_path):
     assert [h["lost_steps"] for h in doc["history"][:2]] == [last_logged[0] - resumed[1], last_logged[1] - resumed[2]]
     assert [h["step_at_failure"] for h in doc["history"][:2]] == last_logged[:2]
     assert 0 < doc["goodput"] < 1 and summary["lost_s"] > 0
+
+    # The picture and the text timeline show the two failures.
+    png = tmp_path / "timeline.png"
+    out = subprocess.run(resilient("status", run_dir, "--plot", png), capture_output=True, text=True,
+                         env=child_env(COLUMNS="160"))
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    timeline_rows = [line for line in out.stdout.splitlines() if line.lstrip()[:1].isdigit() and "|" in line]
+    assert len(timeline_rows) == 3 and sum(row.count("x") for row in timeline_rows[:2]) == 2, out.stdout
+    assert f"lost {summary['lost_steps']} steps" in out.stdout

@@ -11,7 +11,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from supervisor import layout, lock, render, state, targets
+from supervisor import layout, lock, render, state, targets, timeline
 from supervisor.errors import ExitCode, UsageError
 from supervisor.state import RunRecord, RunState
 
@@ -74,47 +74,57 @@ class StatusResult:
         p = self.primary
         rec = p.record
         st = p.effective_state.value
-        lines = [Text.from_markup(
-            f"[bold]{rec.name}[/] — {render.styled(st)}  attempt {rec.attempt}, "
-            f"{rec.restarts} of {rec.max_restarts} restarts used")]
         sup = rec.supervisor
         alive = "alive" if p.supervisor_alive else "[red]not running[/]"
-        lines.append(Text.from_markup(
-            f"run dir {self.run_dir}  supervisor pid {sup.get('pid', '-')} on {sup.get('host', '-')} ({alive})"))
-        gp = f"{rec.goodput:.1%}" if rec.goodput is not None else "-"
-        lines.append(Text.from_markup(
-            f"step {rec.step if rec.step is not None else '-'}  last valid checkpoint "
-            f"{rec.last_checkpoint_step if rec.last_checkpoint_step is not None else '-'}  goodput {gp}"))
-        if rec.checkpoint_interval:
-            ci = rec.checkpoint_interval
-            lines.append(Text(f"checkpoint interval {ci.get('steps')} steps ({ci.get('why', '')})"))
+        ckpt = rec.last_checkpoint_step if rec.last_checkpoint_step is not None else "-"
+        lines = [
+            f"[bold]{rec.name}[/] — {render.styled(st)}   attempt {rec.attempt} · {rec.restarts} restart(s), "
+            f"{rec.max_restarts} allowed per run",
+            f"run dir   {self.run_dir} · supervisor pid {sup.get('pid', '-')} on {sup.get('host', '-')} ({alive})",
+            f"progress  step {rec.step if rec.step is not None else '-'} · last valid checkpoint {ckpt}",
+            f"goodput   {timeline.summary_line((rec.accounting or {}).get('summary') or {})}",
+        ]
+        ci = rec.checkpoint_interval
+        if ci:
+            lines.append(f"interval  {ci.get('steps')} steps ({ci.get('mode')}: {ci.get('why', '')})")
+        parts: list[Any] = [Text.from_markup(line) for line in lines]
         if rec.message and p.effective_state in (RunState.FAILED, RunState.STOPPED):
-            lines.append(Text(rec.message, style="red" if p.effective_state is RunState.FAILED else ""))
-        ranks = Table(box=None, pad_edge=False, title="ranks", title_justify="left")
-        for col in ("NODE", "RANK", "PID", "STEP", "PHASE", "HEARTBEAT", "ALIVE", "NOTE"):
-            ranks.add_column(col)
-        for n in self.nodes:
-            for r in n.ranks(self.now):
-                ranks.add_row(str(r.get("node") or n.record.node or "-"), str(r.get("rank")), str(r.get("pid")),
-                              str(r.get("step", "-")), str(r.get("phase", "-")),
-                              render.human_duration(r.get("heartbeat_age_s")) + " ago",
-                              "yes" if r.get("alive") else "[red]no[/]", r.get("note") or "")
-        hist = Table(box=None, pad_edge=False, title="history", title_justify="left")
-        for col in ("ATTEMPT", "STARTED", "ENDED", "REASON", "RANK", "STEP@FAIL", "RESUMED FROM", "DETAIL"):
-            hist.add_column(col)
-        for n in self.nodes:
-            for h in n.record.history:
-                hist.add_row(str(h.attempt), render.local_time(h.started_at), render.local_time(h.ended_at),
-                             h.reason or ("running" if h.ended_at is None else "-"),
-                             "-" if h.failed_rank is None else str(h.failed_rank),
-                             "-" if h.step_at_failure is None else str(h.step_at_failure),
-                             "-" if h.resumed_from_step is None else str(h.resumed_from_step),
-                             h.detail or "")
-        parts: list[Any] = [*lines]
-        if self.nodes and any(n.record.ranks for n in self.nodes):
+            parts.append(Text(rec.message, style="red" if p.effective_state is RunState.FAILED else "yellow"))
+        if any(n.record.ranks for n in self.nodes):
+            ranks = Table(box=None, pad_edge=False, title="ranks", title_justify="left", title_style="bold")
+            for col in ("NODE", "RANK", "PID", "STEP", "PHASE", "HEARTBEAT", "ALIVE", "STEPS/S", "NOTE"):
+                ranks.add_column(col, no_wrap=col != "NOTE")
+            for n in self.nodes:
+                for r in n.ranks(self.now):
+                    ranks.add_row(str(r.get("node") or n.record.node or "-"), str(r.get("rank")), str(r.get("pid")),
+                                  str(r.get("step", "-")), str(r.get("phase", "-")),
+                                  render.human_duration(r.get("heartbeat_age_s")) + " ago",
+                                  "yes" if r.get("alive") else "[red]no[/]",
+                                  "-" if r.get("steps_per_s") is None else f"{r['steps_per_s']:.1f}",
+                                  r.get("note") or "")
             parts.append(ranks)
         if any(n.record.history for n in self.nodes):
+            hist = Table(box=None, pad_edge=False, title="history", title_justify="left", title_style="bold")
+            multinode = any(n.record.node for n in self.nodes)
+            for col in ("#", "NODE", "STARTED", "TOOK", "REASON", "RANK", "AT STEP", "RESUMED", "LOST", "DETAIL"):
+                if col != "NODE" or multinode:
+                    hist.add_column(col, no_wrap=col != "DETAIL", overflow="fold")
+            for n in self.nodes:
+                for h in n.record.history:
+                    took = (h.ended_at or self.now) - h.started_at
+                    dash = "-"
+                    node = [n.record.node or "-"] if multinode else []
+                    hist.add_row(str(h.attempt), *node, render.clock(h.started_at),
+                                 render.human_duration(took), render.styled(h.reason or "running"),
+                                 dash if h.failed_rank is None else str(h.failed_rank),
+                                 dash if h.step_at_failure is None else str(h.step_at_failure),
+                                 dash if h.resumed_from_step is None else str(h.resumed_from_step),
+                                 dash if not h.lost_steps else str(h.lost_steps), h.detail or "")
             parts.append(hist)
+            lines_tl = timeline.text_timeline(rec)
+            if lines_tl:
+                parts.append(Text("timeline (s starting, █ training, x failure)", style="bold"))
+                parts.extend(Text(line) for line in lines_tl)
         return Group(*parts)
 
 
@@ -139,7 +149,8 @@ def main(target: str | None, as_json: bool, watch: bool, *, plot: str | None = N
          interval_s: float = 1.0) -> int:
     result = collect(target)
     if plot is not None:
-        raise UsageError("--plot is not available yet.")
+        out = timeline.plot(result.primary.record, result.primary.node_dir, Path(plot))
+        render.err.print(f"timeline written to {out}")
     if as_json:
         render.print_json(result.to_json())
         return ExitCode.OK
