@@ -21,10 +21,11 @@ NODE_LOST = "node_lost"
 CONFIG = "config"
 CHECKPOINT_FAILED = "checkpoint_failed"
 LAUNCHER_DIED = "launcher_died"
+RENDEZVOUS = "rendezvous"  # torchrun could not form the group (store gone or closed) before any rank ran
 STOPPED = "stopped"  # the supervisor itself was asked to stop (SIGTERM/SIGINT)
 
 RETRYABLE = frozenset({WORKER_EXIT, WORKER_SIGNAL, HANG, COLLECTIVE_TIMEOUT, OOM, PREEMPTED, NODE_LOST,
-                       CHECKPOINT_FAILED, LAUNCHER_DIED})
+                       CHECKPOINT_FAILED, LAUNCHER_DIED, RENDEZVOUS})
 
 
 @dataclass(frozen=True)

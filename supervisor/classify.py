@@ -36,8 +36,10 @@ CONFIG = re.compile(
     r"ModuleNotFoundError|ImportError|SyntaxError|No module named|can't open file|"
     r"error: (?:unrecognized arguments|argument|the following arguments are required)"
 )
-NODE_LOST = re.compile(r"RendezvousConnectionError|RendezvousClosedError|RendezvousTimeoutError|"
-                       r"DistStoreError|Connection closed by peer|Broken pipe|Connection reset by peer")
+RENDEZVOUS = re.compile(r"RendezvousConnectionError|RendezvousClosedError|RendezvousTimeoutError|"
+                        r"RendezvousStateError|DistStoreError|The connection to the C10d store has failed")
+NODE_LOST = re.compile(r"Connection closed by peer|Broken pipe|Connection reset by peer|Connection refused|"
+                       r"RendezvousConnectionError|DistStoreError")
 CHECKPOINT = re.compile(r"checkpoint save failed|No space left on device")
 
 
@@ -135,8 +137,12 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
             what = signal_name(rc) if rc < 0 else "SIGKILL"
             return AttemptOutcome(api.LAUNCHER_DIED, f"torchrun itself was killed ({what})", exit_code=rc, step=step)
         text = torchrun_output[-20_000:]
+        if RENDEZVOUS.search(text) and not any(hb.first_step_at for hb in heartbeats.values()):
+            m = RENDEZVOUS.search(text)
+            return AttemptOutcome(api.RENDEZVOUS, f"torchrun could not form the group ({m.group(0)})",
+                                  exit_code=rc, step=step)
         if NODE_LOST.search(text):
-            return AttemptOutcome(api.NODE_LOST, f"rendezvous failed: {_last_line(text)}", exit_code=rc, step=step)
+            return AttemptOutcome(api.NODE_LOST, f"lost the rendezvous: {_last_line(text)}", exit_code=rc, step=step)
         if CONFIG.search(text):
             return AttemptOutcome(api.CONFIG, _last_line(text), exit_code=rc, step=step)
         return AttemptOutcome(api.WORKER_EXIT, f"torchrun exited with code {rc}: {_last_line(text)}",
@@ -171,6 +177,9 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
                               rank, code, step)
     if OOM.search(evidence):
         return AttemptOutcome(api.OOM, f"{where} ran out of memory: {_last_line(message)}", rank, code, step)
+    if (m := NODE_LOST.search(evidence)) and not CHECKPOINT.search(evidence):
+        return AttemptOutcome(api.NODE_LOST, f"{where} lost a peer ({m.group(0)}): another node or rank went away",
+                              rank, code, step)
     if CHECKPOINT.search(evidence):
         return AttemptOutcome(api.CHECKPOINT_FAILED, f"{where}: {_last_line(message or log_text)}", rank, code,
                               step)

@@ -79,6 +79,7 @@ class IntervalTuner:
         self._last: tuple[int, float] | None = None
         self._flight: dict[int, list[float]] = {}  # save step → durations of the steps run while it persisted
         self._blocking: dict[int, float] = {}
+        self._committed: set[int] = set()  # a synchronous save commits before its blocking time is logged
 
     # ---- what the supervisor sees ------------------------------------------------------------------
 
@@ -86,6 +87,7 @@ class IntervalTuner:
         self._last = None
         self._flight.clear()
         self._blocking.clear()
+        self._committed.clear()
 
     def on_step(self, step: int, t: float) -> None:
         if self._last is not None and step == self._last[0] + 1:
@@ -98,16 +100,21 @@ class IntervalTuner:
         self._last = (step, t)
 
     def on_save(self, step: int, blocking_s: float) -> None:
-        self._blocking[step] = blocking_s
-        self._flight[step] = []
         if self._last is not None:
             self._last = (self._last[0], self._last[1] + blocking_s)  # the blocked time is not a step's
+        if step in self._committed:  # synchronous: nothing ran while it persisted
+            self._committed.discard(step)
+            self.costs.append(blocking_s)
+            return
+        self._blocking[step] = blocking_s
+        self._flight[step] = []
 
     def on_commit(self, step: int, persist_s: float) -> None:
         blocking = self._blocking.pop(step, None)
         during = self._flight.pop(step, [])
         self.persist.append(persist_s)
         if blocking is None:
+            self._committed.add(step)
             return
         base = self.step_s
         slowdown = sum(max(0.0, d - base) for d in during) if base is not None else 0.0

@@ -4,7 +4,9 @@
 - a `nan` exit rolls back once to the valid checkpoint before the newest, then stops;
 - `crash_loop_attempts` consecutive failures without a new valid checkpoint stop as a crash loop;
 - `max_restarts` relaunches at most; preemptions the supervisor itself asked for do not count;
-- backoff doubles per consecutive failure without progress, up to `max_backoff_s`.
+- backoff doubles per consecutive failure without progress, up to `max_backoff_s`;
+- a launch that failed in the rendezvous before any rank ran (a store that closed or vanished while the
+  nodes relaunch) is retried after a short wait without spending the budget, for up to `rendezvous_s`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ class RestartPolicy:
     no_progress: int = 0  # consecutive failed attempts that committed no new valid checkpoint
     nan_rollbacks: int = 0
     failures: list[AttemptOutcome] = field(default_factory=list)
+    rendezvous_s: float = 600.0
+    rendezvous_since: float | None = None  # when the current run of rendezvous failures began
+
+    def decide_rendezvous(self, outcome: AttemptOutcome, now: float) -> Decision:
+        """A launch that never got its ranks started: retry soon, bounded in time, not counted."""
+        if self.rendezvous_since is None:
+            self.rendezvous_since = now
+        waited = now - self.rendezvous_since
+        if waited > self.rendezvous_s:
+            return self._stop(f"the group could not be formed for {waited:.0f}s: {outcome.detail}")
+        wait = min(2.0, self.cfg.max_backoff_s)
+        return Decision(True, wait_s=wait, counts_as_restart=False,
+                        message=f"rendezvous retry in {wait:.1f}s ({waited:.0f}s of {self.rendezvous_s:.0f}s)")
 
     def decide(self, outcome: AttemptOutcome, *, progressed: bool, newest_valid: int | None,
                older_valid: int | None) -> Decision:
@@ -35,6 +50,7 @@ class RestartPolicy:
             newest_valid: the newest valid checkpoint now.
             older_valid: the newest valid checkpoint below `newest_valid` (a NaN rollback target).
         """
+        self.rendezvous_since = None
         self.failures.append(outcome)
         self.no_progress = 0 if progressed else self.no_progress + 1
         if outcome.reason == api.CONFIG:

@@ -42,6 +42,7 @@ ENV_CONTROL_FILE = "RESILIENT_CONTROL_FILE"
 ENV_COLLECTIVE_TIMEOUT_S = "RESILIENT_COLLECTIVE_TIMEOUT_S"
 ENV_STOP_GRACE_S = "RESILIENT_STOP_GRACE_S"
 ENV_SUPERVISOR_PID = "RESILIENT_SUPERVISOR_PID"
+ENV_LAUNCHED_AT = "RESILIENT_LAUNCHED_AT"  # wall time of the launch: checkpoints newer than it are this attempt's
 
 PHASES = ("startup", "load", "train", "save", "exited")
 
@@ -65,6 +66,7 @@ class Handover:
     collective_timeout_s: float | None = None
     stop_grace_s: float | None = None
     supervisor_pid: int | None = None
+    launched_at: float | None = None
 
     @property
     def supervised(self) -> bool:
@@ -80,7 +82,7 @@ class Handover:
             ENV_HEARTBEAT_DIR: self.heartbeat_dir, ENV_HEARTBEAT_INTERVAL_S: self.heartbeat_interval_s,
             ENV_STEP_LOG: self.step_log, ENV_CONTROL_FILE: self.control_file,
             ENV_COLLECTIVE_TIMEOUT_S: self.collective_timeout_s, ENV_STOP_GRACE_S: self.stop_grace_s,
-            ENV_SUPERVISOR_PID: self.supervisor_pid,
+            ENV_SUPERVISOR_PID: self.supervisor_pid, ENV_LAUNCHED_AT: self.launched_at,
         }
         return {k: "" if v is None else str(v) for k, v in pairs.items()}
 
@@ -111,6 +113,7 @@ class Handover:
             step_log=get(ENV_STEP_LOG), control_file=get(ENV_CONTROL_FILE),
             collective_timeout_s=num(ENV_COLLECTIVE_TIMEOUT_S, float),
             stop_grace_s=num(ENV_STOP_GRACE_S, float), supervisor_pid=num(ENV_SUPERVISOR_PID, int),
+            launched_at=num(ENV_LAUNCHED_AT, float),
         )
 
 
@@ -148,6 +151,7 @@ class Heartbeat:
     last_save: dict[str, Any] | None = None
     log_dir: str | None = None
     restart_count: int = 0
+    resumed_from: int | None = None  # the step this worker group loaded (None: fresh start)
     exit_code: int | None = None
     exit_reason: str | None = None
     schema_version: int = HEARTBEAT_SCHEMA

@@ -71,6 +71,7 @@ class AttemptRecord:
     log_dir: str | None = None
     skipped: list[str] | None = None  # newer checkpoint folders passed over at launch, with the reason
     lost_steps: int | None = None  # steps of this attempt the next one re-executed
+    regroups: list[dict] | None = None  # torchrun re-formed the group in place (a node joined): when, how big
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

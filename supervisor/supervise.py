@@ -112,10 +112,12 @@ class Supervisor:
         self.cfg, self.layout, self.launcher = cfg, layout, launcher
         self.console = console or EventConsole(cfg.name)
         self.clock = clock
-        self.policy = RestartPolicy(cfg.restart)
+        self.policy = RestartPolicy(cfg.restart, rendezvous_s=float(cfg.rdzv.conf.get("join_timeout", 600)))
         self.stop_signal: int | None = None
         self._wake = threading.Event()
         self._blocking: dict[int, float] = {}
+        self._announced: set[int] = set()
+        self._resume_noted = False
         self.record = self._load_record()
         self.accounting = Accounting.from_dict(self.record.accounting.get("ledger"), last_seen=self._prev_updated_at)
         self._restarts_before = self.record.restarts  # the budget is per invocation; the count is not
@@ -197,11 +199,15 @@ class Supervisor:
                 return ExitCode.OK
             if outcome.reason == api.STOPPED:
                 return self._stopped(outcome)
-            newest = store.latest_valid(self.cfg.checkpoint.dir)
-            older = store.latest_valid(self.cfg.checkpoint.dir, below=newest.step) if newest else None
-            progressed = newest is not None and (choice.step is None or newest.step > choice.step)
-            decision = self.policy.decide(outcome, progressed=progressed, newest_valid=newest.step if newest else None,
-                                          older_valid=older.step if older else None)
+            if outcome.reason == api.RENDEZVOUS:
+                decision = self.policy.decide_rendezvous(outcome, self.clock())
+            else:
+                newest = store.latest_valid(self.cfg.checkpoint.dir)
+                older = store.latest_valid(self.cfg.checkpoint.dir, below=newest.step) if newest else None
+                progressed = newest is not None and (choice.step is None or newest.step > choice.step)
+                decision = self.policy.decide(outcome, progressed=progressed,
+                                              newest_valid=newest.step if newest else None,
+                                              older_valid=older.step if older else None)
             if not decision.relaunch:
                 return self._failed(decision.message, outcome, spec)
             self.record.restarts = self._restarts_before + self.policy.restarts
@@ -227,7 +233,8 @@ class Supervisor:
             resume_step=spec.resume_step, resume_path=str(spec.resume_path) if spec.resume_path else None,
             heartbeat_dir=str(spec.heartbeat_dir), heartbeat_interval_s=c.heartbeat.interval_s,
             step_log=str(spec.step_log), control_file=str(spec.control_file),
-            collective_timeout_s=c.collective_timeout_s, stop_grace_s=c.stop_timeout_s, supervisor_pid=os.getpid())
+            collective_timeout_s=c.collective_timeout_s, stop_grace_s=c.stop_timeout_s, supervisor_pid=os.getpid(),
+            launched_at=time.time())
 
     def _announce(self, spec: AttemptSpec, choice: ResumeChoice) -> None:
         for name, why in choice.skipped:
@@ -247,6 +254,9 @@ class Supervisor:
         rec = AttemptRecord(attempt=spec.attempt, started_at=time.time(), resumed_from_step=choice.step,
                             log_dir=str(spec.logs_dir),
                             skipped=[f"{n}: {w}" for n, w in choice.skipped] or None)
+        self._resume_noted = False
+        self._group_pids: set[int] = set()
+        self._world: int | None = None
         self.accounting.launch(spec.attempt, rec.started_at, choice.step)
         if len(self.record.history) and self.accounting.attempts[:-1]:
             self.record.history[-1].lost_steps = self.accounting.attempts[-2].lost_steps
@@ -292,13 +302,23 @@ class Supervisor:
         watch = RankWatch(self.clock(), hb_cfg.timeout_s, hb_cfg.startup_timeout_s)
         steps = StepLogReader(spec.step_log)
         heartbeats: dict[int, Heartbeat] = {}
+        next_scan = 0.0
         while True:
             rc = handle.wait(POLL_S)
             now = self.clock()
-            heartbeats = read_heartbeats(spec.heartbeat_dir) or heartbeats
+            heartbeats = current_group(read_heartbeats(spec.heartbeat_dir)) or heartbeats
             watch.observe(heartbeats, now)
             handle.track(hb.pid for hb in heartbeats.values())
             self._follow_steps(steps.poll(), rec, heartbeats)
+            self._follow_resume(rec, heartbeats)
+            self._follow_group(rec, heartbeats)
+            if now >= next_scan:  # commits made by a rank 0 on another node show up only on disk
+                next_scan = now + 2.0
+                newest = store.latest_valid(self.cfg.checkpoint.dir)
+                if newest is not None and newest.step not in self._announced and newest.created_at and \
+                        newest.created_at > rec.started_at:
+                    self._on_checkpoint(CommitRecord(newest.step, newest.created_at, 0.0, newest.size_bytes),
+                                        mine=False)
             self._update_ranks(heartbeats, watch, now)
             if rc is not None:
                 heartbeats = read_heartbeats(spec.heartbeat_dir) or heartbeats
@@ -352,19 +372,54 @@ class Supervisor:
                 self.console.event(f"checkpoint interval {self._interval or '-'} → {choice.steps} steps ({choice.why})")
             self._interval = choice.steps
 
-    def _on_checkpoint(self, r: CommitRecord) -> None:
+    def _on_checkpoint(self, r: CommitRecord, mine: bool = True) -> None:
+        """A new valid checkpoint: announce it once; the node whose rank 0 committed it applies retention."""
+        if r.step in self._announced:
+            return
+        self._announced.add(r.step)
         self.record.last_checkpoint_step = r.step
         removed = ""
-        plan = retention.plan(self.cfg.checkpoint.dir, store.scan(self.cfg.checkpoint.dir), self.cfg.checkpoint.keep,
-                              owner_alive=True)
-        if plan.remove:
-            retention.apply(plan)
-            removed = "; removed " + ", ".join(p.path.name for p in plan.remove)
+        if mine:
+            plan = retention.plan(self.cfg.checkpoint.dir, store.scan(self.cfg.checkpoint.dir),
+                                  self.cfg.checkpoint.keep, owner_alive=True)
+            if plan.remove:
+                retention.apply(plan)
+                removed = "; removed " + ", ".join(p.path.name for p in plan.remove)
         blocked = self._blocking.pop(r.step, None)
         how = f"training blocked {blocked:.3f}s, " if blocked is not None else ""
-        self.console.event(f"checkpoint step {r.step} committed ({how}{r.bytes / 1e6:.1f} MB in {r.persist_s:.2f}s)"
-                           f"{removed}")
+        took = f" in {r.persist_s:.2f}s" if mine else " (committed by rank 0 on another node)"
+        self.console.event(f"checkpoint step {r.step} committed ({how}{r.bytes / 1e6:.1f} MB{took}){removed}")
         self.save_state()
+
+    def _follow_group(self, rec: AttemptRecord, heartbeats: dict[int, Heartbeat]) -> None:
+        """Notice torchrun re-forming the worker group in place (it does so when a node joins)."""
+        live = {hb.pid for hb in heartbeats.values() if hb.phase != "exited"}
+        if not live:
+            return
+        if self._group_pids and not (live & self._group_pids):
+            world = max(hb.world_size for hb in heartbeats.values())
+            rec.regroups = [*(rec.regroups or []), {"at": time.time(), "world_size": world}]
+            self._resume_noted = False
+            self.console.event(f"attempt {rec.attempt}: torchrun re-formed the group in place (a node joined or "
+                               f"left): world size {self._world} → {world}", style="yellow")
+        self._group_pids = live
+        self._world = max(hb.world_size for hb in heartbeats.values())
+
+    def _follow_resume(self, rec: AttemptRecord, heartbeats: dict[int, Heartbeat]) -> None:
+        """The ranks agree on the resume step among all nodes; record the one they actually loaded."""
+        loaded = {hb.resumed_from for hb in heartbeats.values() if hb.phase in ("train", "save", "exited")}
+        if len(loaded) != 1:
+            return
+        step = loaded.pop()
+        if self._resume_noted:
+            return
+        if rec.regroups:
+            rec.regroups[-1]["resumed_from"] = step
+        elif step != rec.resumed_from_step:
+            self.console.event(f"attempt {rec.attempt}: the ranks resumed from step {step} (agreed across nodes; "
+                               f"this node had handed over {rec.resumed_from_step})", style="yellow")
+            rec.resumed_from_step = step
+        self._resume_noted = True
 
     def _update_ranks(self, heartbeats: dict[int, Heartbeat], watch: RankWatch, now: float) -> None:
         ages = watch.ages(now)
@@ -433,6 +488,15 @@ class Supervisor:
         self._transition(RunState.FAILED)
         self.console.paragraph(self.record.message)
         return ExitCode.FAILED
+
+
+def current_group(heartbeats: dict[int, Heartbeat], window_s: float = 10.0) -> dict[int, Heartbeat]:
+    """Heartbeats of the newest worker group: when torchrun re-forms the group in place (a node joined),
+    the files of the previous group's ranks stay behind; the ranks of one group start within seconds."""
+    if not heartbeats:
+        return heartbeats
+    newest = max(hb.started_at for hb in heartbeats.values())
+    return {r: hb for r, hb in heartbeats.items() if hb.started_at >= newest - window_s or _pid_alive(hb.pid)}
 
 
 def rank_stderr_paths(spec: AttemptSpec, heartbeats: dict[int, Heartbeat]) -> dict[int, Path]:

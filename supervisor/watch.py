@@ -58,11 +58,16 @@ class RankWatch:
     startup_timeout_s: float
     expected_ranks: int | None = None
     seen: dict[int, RankSeen] = field(default_factory=dict)
+    group_started_at: float | None = None  # torchrun re-formed the group in place (a node joined)
 
     def observe(self, heartbeats: dict[int, Heartbeat], now: float) -> None:
+        for rank in [r for r in self.seen if r not in heartbeats]:
+            del self.seen[rank]  # a rank of an older worker group
         for rank, hb in heartbeats.items():
             prev = self.seen.get(rank)
             if prev is None or hb.pid != prev.hb.pid:
+                if prev is not None:
+                    self.group_started_at = now
                 self.seen[rank] = RankSeen(hb, now, now)
                 continue
             if hb.seq != prev.hb.seq:
@@ -74,7 +79,7 @@ class RankWatch:
     def hangs(self, now: float) -> list[Hang]:
         """Every rank that looks hung at `now`; silent ranks (the likely culprits) first."""
         found: list[Hang] = []
-        since_launch = now - self.launched_at
+        since_launch = now - max(self.launched_at, self.group_started_at or self.launched_at)
         if not self.seen:
             if since_launch > self.startup_timeout_s:
                 found.append(Hang(None, NO_HEARTBEAT, since_launch, None, None))

@@ -87,7 +87,8 @@ class Proc:
         self.popen.send_signal(sig)
 
     def output(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def alive_descendants(self) -> list[psutil.Process]:
@@ -112,7 +113,8 @@ class Proc:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=10)
         psutil.wait_procs(list(self._seen.values()), timeout=10)
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
 
 
 @contextlib.contextmanager

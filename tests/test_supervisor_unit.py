@@ -65,6 +65,7 @@ def test_parse_summary_finds_the_root_cause():
 
 
 @pytest.mark.parametrize("case, expect_reason, expect_rank", [
+    ("peer", api.NODE_LOST, 1),
     ("sigkill", api.WORKER_SIGNAL, 1),
     ("preempted", api.PREEMPTED, 1),
     ("nan", api.NAN, 1),
@@ -82,6 +83,7 @@ def test_classify(tmp_path, case, expect_reason, expect_rank):
         "exception": "ValueError: shapes do not match",
         "disk": "CheckpointError: checkpoint save failed: [Errno 28] No space left on device",
         "import": "ModuleNotFoundError: No module named 'flash_attn'",
+        "peer": "RuntimeError: [gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:2951",
     }
     if case == "import":
         hbs = {0: hb(0), 1: hb(1)}  # never trained
@@ -110,7 +112,11 @@ def test_classify_without_a_summary():
     assert classify.classify(-9, "", {}).reason == api.LAUNCHER_DIED
     said = {0: hb(0, exit_code=EXIT_NAN, exit_reason="nan", time=5.0)}
     assert classify.classify(1, "", said).reason == api.NAN
-    assert classify.classify(1, "torch.distributed.DistStoreError: wait timeout", {}).reason == api.NODE_LOST
+    assert classify.classify(1, "torch.distributed.DistStoreError: wait timeout", {}).reason == api.RENDEZVOUS
+    closed = "torch.distributed.elastic.rendezvous.api.RendezvousClosedError"
+    assert classify.classify(1, closed, {0: hb(0)}).reason == api.RENDEZVOUS
+    trained = {0: hb(0, first_step_at=1.0, step=9)}
+    assert classify.classify(1, "RendezvousConnectionError: failed to recv", trained).reason == api.NODE_LOST
     assert classify.classify(1, "/usr/bin/python: can't open file 'x.py'", {}).reason == api.CONFIG
     assert classify.classify(-9, "", {}, oom_killed=True).reason == api.LAUNCHER_DIED
     oom = classify.classify(1, summary(), {1: hb(1)}, oom_killed=True)
@@ -139,6 +145,18 @@ def test_policy_crash_loop_names_the_step():
     assert p.decide(outcome(step=30), progressed=False, newest_valid=20, older_valid=None).relaunch
     d = p.decide(outcome(step=30), progressed=False, newest_valid=20, older_valid=None)
     assert not d.relaunch and "crash loop: 3 consecutive attempts" in d.message and "at step 30" in d.message
+
+
+def test_policy_rendezvous_failures_retry_without_spending_the_budget():
+    p = RestartPolicy(RestartConfig(max_restarts=1, backoff_s=5), rendezvous_s=30)
+    rdzv = api.AttemptOutcome(api.RENDEZVOUS, "store closed")
+    for now in (0.0, 10.0, 29.0):
+        d = p.decide_rendezvous(rdzv, now)
+        assert d.relaunch and not d.counts_as_restart and d.wait_s == 2.0
+    assert p.restarts == 0
+    assert not p.decide_rendezvous(rdzv, 31.0).relaunch
+    p.decide(outcome(), progressed=True, newest_valid=10, older_valid=None)  # a real attempt resets the window
+    assert p.rendezvous_since is None and p.decide_rendezvous(rdzv, 100.0).relaunch
 
 
 def test_policy_nan_rolls_back_once_and_config_stops_at_once():

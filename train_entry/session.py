@@ -122,38 +122,55 @@ class Session:
     # ---- resume -------------------------------------------------------------------------------------
 
     def _choose_resume_step(self) -> int | None:
-        """The step every rank loads: agreed across ranks (and nodes), and valid on rank 0's view.
+        """The step every rank loads: agreed across ranks and nodes, and valid in rank 0's view.
 
-        Supervised: each node's supervisor handed over its newest valid step; the ranks take the smallest
-        (a node behind on a lagging filesystem must not resume from a different one). Unsupervised, or
-        after torchrun re-formed the group in place (elastic membership change), rank 0 looks itself.
+        Supervised, each node's supervisor handed over the newest valid step it found; the smallest wins (a
+        node behind on a lagging filesystem must not resume from a different one). A checkpoint committed
+        after the launch was written by this attempt (an earlier worker group, before torchrun re-formed
+        the group for a joining node) and is newer than anything handed over: it wins. Unsupervised, rank
+        0 takes the newest valid checkpoint.
         """
         h = self.handover
-        in_place_restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-        mine = h.resume_step if h.supervised and not in_place_restart else None
         asked: list[Any] = [None] * self.world_size
-        dist.all_gather_object(asked, (h.supervised and not in_place_restart, mine), group=self.ctx.ckpt_group)
-        handed = [step for supervised, step in asked if supervised and step is not None]
-        any_supervised_fresh = any(supervised and step is None for supervised, step in asked)
+        mine = (h.supervised, h.resume_step, h.launched_at)
+        dist.all_gather_object(asked, mine, group=self.ctx.ckpt_group)
         decision: list[Any] = [None]
         if self.ctx.is_main:
-            if handed:
-                want = min(handed)
-                info = store.inspect(self.ckpt.root / store.step_dirname(want)) \
-                    if (self.ckpt.root / store.step_dirname(want)).is_dir() else None
-                if info is None or not info.valid:
-                    why = info.reason if info else "missing"
-                    info = store.latest_valid(self.ckpt.root, below=want)
-                    log.warning("handed-over step %d is not valid here (%s); using %s", want, why,
-                                info.step if info else "a fresh start")
-                decision[0] = info.step if info else None
-            elif any_supervised_fresh:
-                decision[0] = None
-            else:
-                info = store.latest_valid(self.ckpt.root)
-                decision[0] = info.step if info else None
+            decision[0] = self._decide(asked)
         dist.broadcast_object_list(decision, src=0, group=self.ctx.ckpt_group)
         return decision[0]
+
+    def _decide(self, asked: list[tuple[bool, int | None, float | None]]) -> int | None:
+        root = self.ckpt.root
+        supervised = [a for a in asked if a[0]]
+        if not supervised:
+            info = store.latest_valid(root)
+            return info.step if info else None
+        handed = sorted({step for _, step, _ in supervised if step is not None})
+        if len(handed) > 1:
+            log.warning("nodes handed over different steps %s: every rank resumes from %d", handed, handed[0])
+        launched = min((t for _, _, t in supervised if t is not None), default=None)
+        newer = None
+        if launched is not None and root.is_dir():
+            for path in reversed(store.checkpoint_dirs(root)):
+                info = store.inspect(path)
+                if info.valid and info.created_at is not None and info.created_at > launched:
+                    newer = info
+                    break
+        if newer is not None and (not handed or newer.step > handed[0]):
+            log.info("step %d was committed by this attempt after its launch: resuming from it", newer.step)
+            return newer.step
+        if not handed:
+            return None
+        want = handed[0]
+        path = root / store.step_dirname(want)
+        info = store.inspect(path) if path.is_dir() else None
+        if info is not None and info.valid:
+            return want
+        fallback = store.latest_valid(root, below=want)
+        log.warning("handed-over step %d is not valid here (%s); using %s", want,
+                    info.reason if info else "missing", fallback.step if fallback else "a fresh start")
+        return fallback.step if fallback else None
 
     def resume(self, state: TrainState) -> int:
         """Load the agreed checkpoint into `state` (resharding if the world size changed); return the step
@@ -179,7 +196,7 @@ class Session:
                          reshard)
         self.last_saved_step = step
         self.resumed_from = step
-        self.beater.update(step=step or 0)
+        self.beater.update(step=step or 0, resumed_from=step)
         self.beater.set_phase("train", now=True)
         return step or 0
 

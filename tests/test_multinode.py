@@ -1,0 +1,220 @@
+"""Two supervisors as two nodes on 127.0.0.1 (`nnodes: "1:2"`, one rank each, c10d rendezvous, a shared run
+dir): node loss, loss of the node that hosts the rendezvous store, a node rejoining, and agreement on the
+resume step. Each "node" is a real `resilient run --node NAME` with its own torchrun."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from supervisor import store
+from tests.ckpt_helpers import flip_byte
+from tests.proc import Proc, free_port, wait_for
+from tests.test_supervisor_e2e import resilient
+
+pytestmark = pytest.mark.slow
+
+STEPS, BATCH = 120, 12
+FINISH_TIMEOUT = 300
+
+
+def job_file(tmp_path: Path, port: int, *, sleep: float = 0.05) -> Path:
+    samples = tmp_path / "samples"
+    job = tmp_path / "mn.yaml"
+    job.write_text(textwrap.dedent(f"""\
+        name: mn
+        run_dir: run
+        entrypoint:
+          module: train_entry
+          args: [--steps, "{STEPS}", --batch, "{BATCH}", --device, cpu, --test-sleep-per-step, "{sleep}",
+                 --test-log-samples, "{samples}"]
+        nnodes: "1:2"
+        nproc_per_node: 1
+        rdzv: {{endpoint: "127.0.0.1:{port}", conf: {{last_call_timeout: 3}}}}
+        checkpoint: {{interval_steps: 20, keep: 4}}
+        restart: {{backoff_s: 0.5, crash_loop_attempts: 5}}
+        heartbeat: {{timeout_s: 30, startup_timeout_s: 180}}
+        collective_timeout_s: 60
+        stop_timeout_s: 15
+    """))
+    return job
+
+
+class Node:
+    """One node: its supervisor (and, through it, torchrun and the rank)."""
+
+    def __init__(self, tmp_path: Path, job: Path, name: str, *extra: str):
+        self.tmp_path, self.name = tmp_path, name
+        self.dir = tmp_path / "run" / "nodes" / name
+        self.proc = Proc(resilient("run", job, "--node", name, *extra), tmp_path,
+                         log=tmp_path / f"{name}-{time.monotonic_ns()}.log")
+
+    def state(self) -> dict:
+        try:
+            return json.loads((self.dir / "state.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def rank(self) -> dict | None:
+        ranks = [r for r in self.state().get("ranks", []) if r.get("alive") and r.get("phase") == "train"]
+        return ranks[0] if ranks else None
+
+    def torchrun(self) -> psutil.Process | None:
+        try:
+            for p in psutil.Process(self.proc.pid).children():
+                if "torch.distributed.run" in " ".join(p.cmdline()):
+                    return p
+        except psutil.Error:
+            pass
+        return None
+
+    def hosts_store(self, port: int) -> bool:
+        tr = self.torchrun()
+        try:
+            return tr is not None and any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                                          for c in tr.net_connections(kind="tcp"))
+        except psutil.Error:
+            return False
+
+    def kill(self) -> None:
+        """The node dies: its supervisor, torchrun and rank, all at once."""
+        victims = [psutil.Process(self.proc.pid)]
+        tr = self.torchrun()
+        if tr is not None:
+            victims += [tr, *tr.children(recursive=True)]
+        for p in victims:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(victims, timeout=10)
+        self.proc.kill_all()
+
+
+def training_together(a: Node, b: Node, min_step: int) -> bool:
+    ra, rb = a.rank(), b.rank()
+    return bool(ra and rb and min(ra["step"], rb["step"]) >= min_step and
+                json.loads((a.dir / "heartbeats" / f"attempt_{a.state()['attempt']}" /
+                            f"rank_{ra['rank']}.json").read_text())["world_size"] == 2)
+
+
+def world_of(node: Node) -> int | None:
+    r = node.rank()
+    if r is None:
+        return None
+    hb = node.dir / "heartbeats" / f"attempt_{node.state()['attempt']}" / f"rank_{r['rank']}.json"
+    try:
+        return json.loads(hb.read_text())["world_size"]
+    except (OSError, ValueError):
+        return None
+
+
+def consumed_ids(samples: Path) -> collections.Counter:
+    """The sample ids behind the final model: for each step, only its last execution (steps after the last
+    checkpoint of a failed attempt run again)."""
+    rows = [json.loads(line) for f in samples.glob("*.jsonl") for line in f.read_text().splitlines() if line]
+    last = {}
+    for r in rows:
+        last[r["step"]] = max(last.get(r["step"], 0.0), r["t"])
+    ids: collections.Counter = collections.Counter()
+    for r in rows:
+        if r["t"] >= last[r["step"]] - 1.0:  # the ranks of one execution log within a second of each other
+            ids.update(range(*r["ids"]))
+    return ids
+
+
+def start_pair(tmp_path: Path, port: int, *extra_b: str, sleep: float = 0.05) -> tuple[Node, Node, Path]:
+    job = job_file(tmp_path, port, sleep=sleep)
+    a = Node(tmp_path, job, "a")
+    wait_for(lambda: a.hosts_store(port), 60, "node a's torchrun to host the store")
+    b = Node(tmp_path, job, "b", *extra_b)
+    return a, b, job
+
+
+@pytest.mark.parametrize("victim", ["b", "a"], ids=["non_host_node_lost", "store_host_node_lost"])
+def test_a_node_dies_and_the_other_finishes_alone(tmp_path, victim):
+    port = free_port()
+    a, b, _ = start_pair(tmp_path, port)
+    try:
+        wait_for(lambda: training_together(a, b, 25), 120, "both nodes training together")
+        dead, survivor = (b, a) if victim == "b" else (a, b)
+        assert dead.hosts_store(port) == (victim == "a")
+        before = store.latest_valid(tmp_path / "run" / "checkpoints")
+        dead.kill()
+        assert survivor.proc.wait(FINISH_TIMEOUT) == 0, survivor.proc.output()[-3000:]
+        console = survivor.proc.output()
+    finally:
+        a.proc.kill_all()
+        b.proc.kill_all()
+    st = survivor.state()
+    assert st["state"] == "succeeded"
+    failure, resumed = st["history"][0], st["history"][1]
+    assert failure["reason"] in ("node_lost", "rendezvous"), failure
+    assert resumed["resumed_from_step"] is not None and resumed["resumed_from_step"] >= before.step
+    assert any("resharded from 2 ranks" in p.read_text() for p in Path(resumed["log_dir"]).rglob("stderr.log"))
+    assert f"finished at step {STEPS}" in console
+    assert consumed_ids(tmp_path / "samples") == collections.Counter(range(STEPS * BATCH))
+
+
+def test_a_killed_node_rejoins_and_the_world_grows_back(tmp_path):
+    port = free_port()
+    a, b, job = start_pair(tmp_path, port, sleep=0.08)
+    b2 = None
+    try:
+        wait_for(lambda: training_together(a, b, 15), 120, "both nodes training together")
+        b.kill()
+        wait_for(lambda: world_of(a) == 1 and (a.rank() or {}).get("step", 0) > 0, 120, "node a training alone")
+        step_alone = a.rank()["step"]
+        b2 = Node(tmp_path, job, "b")
+        wait_for(lambda: world_of(a) == 2 and world_of(b2) == 2, 120, "the world to grow back to 2")
+        assert a.proc.wait(FINISH_TIMEOUT) == 0, a.proc.output()[-3000:]
+        assert b2.proc.wait(60) == 0, b2.proc.output()[-3000:]
+        console_a = a.proc.output()
+    finally:
+        for n in (a, b, b2):
+            if n is not None:
+                n.proc.kill_all()
+    assert "torchrun re-formed the group in place" in console_a
+    regroups = a.state()["history"][-1]["regroups"]
+    assert regroups and regroups[-1]["world_size"] == 2 and regroups[-1]["resumed_from"] >= step_alone
+    assert consumed_ids(tmp_path / "samples") == collections.Counter(range(STEPS * BATCH))
+
+
+def test_nodes_agree_on_the_resume_step_when_they_judge_the_newest_differently(tmp_path):
+    port = free_port()
+    a, b, job = start_pair(tmp_path, port, "--set", "checkpoint.verify=checksum")
+    try:
+        wait_for(lambda: training_together(a, b, 30), 120, "both nodes training together")
+        for n in (a, b):
+            n.proc.signal(signal.SIGTERM)
+        assert a.proc.wait(60) == 143 and b.proc.wait(60) == 143
+    finally:
+        a.proc.kill_all()
+        b.proc.kill_all()
+    root = tmp_path / "run" / "checkpoints"
+    newest = store.latest_valid(root)
+    older = store.latest_valid(root, below=newest.step)
+    flip_byte(newest.path / "__0_0.distcp", offset=4096)  # node a checks sizes (passes), node b checksums
+    a2 = Node(tmp_path, job, "a")
+    wait_for(lambda: a2.hosts_store(port) or a2.proc.poll() is not None, 60, "node a's store")
+    b2 = Node(tmp_path, job, "b", "--set", "checkpoint.verify=checksum")
+    try:
+        assert a2.proc.wait(FINISH_TIMEOUT) == 0, a2.proc.output()[-3000:]
+        assert b2.proc.wait(60) == 0, b2.proc.output()[-3000:]
+    finally:
+        a2.proc.kill_all()
+        b2.proc.kill_all()
+    assert f"resuming from step {newest.step}" in a2.proc.output()
+    assert f"skipping {newest.path.name}: corrupt" in b2.proc.output() and "checksum mismatch" in b2.proc.output()
+    assert f"the ranks resumed from step {older.step} (agreed across nodes" in a2.proc.output()
+    resumed = {n.name: n.state()["history"][-1]["resumed_from_step"] for n in (a2, b2)}
+    assert resumed == {"a": older.step, "b": older.step}
+    assert os.path.exists(root / store.step_dirname(STEPS))
