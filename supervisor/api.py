@@ -23,6 +23,7 @@ CHECKPOINT_FAILED = "checkpoint_failed"
 LAUNCHER_DIED = "launcher_died"
 RENDEZVOUS = "rendezvous"  # torchrun could not form the group (store gone or closed) before any rank ran
 STOPPED = "stopped"  # the supervisor itself was asked to stop (SIGTERM/SIGINT)
+SUPERVISOR_LOST = "supervisor_lost"  # the supervisor died during the attempt (found by the next one)
 
 RETRYABLE = frozenset({WORKER_EXIT, WORKER_SIGNAL, HANG, COLLECTIVE_TIMEOUT, OOM, PREEMPTED, NODE_LOST,
                        CHECKPOINT_FAILED, LAUNCHER_DIED, RENDEZVOUS})

@@ -140,6 +140,11 @@ class Supervisor:
                         node=self.layout.node, max_restarts=self.cfg.restart.max_restarts)
         if prev is not None:  # a rerun keeps the history, so status tells the whole story
             rec.history, rec.step, rec.last_checkpoint_step = prev.history, prev.step, prev.last_checkpoint_step
+            last = rec.history[-1] if rec.history else None
+            if last is not None and last.ended_at is None:  # its supervisor died (kill -9, node lost)
+                last.ended_at = prev.updated_at
+                last.reason = api.SUPERVISOR_LOST
+                last.detail = f"the supervisor (pid {prev.supervisor.get('pid')}) died during this attempt"
             rec.accounting, rec.restarts = prev.accounting, prev.restarts
         rec.supervisor = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time(),
                           "version": __version__}

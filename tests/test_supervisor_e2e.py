@@ -176,7 +176,9 @@ def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path
         sup.kill_all()
     with started(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup2.log") as sup2:
         assert sup2.wait(RUN_TIMEOUT) == 0, sup2.output()[-3000:]
-    assert status(run_dir)["state"] == "succeeded"
+    doc = status(run_dir)
+    assert doc["state"] == "succeeded"
+    assert doc["history"][0]["reason"] == "supervisor_lost" and doc["history"][-1]["reason"] == "finished"
 
 
 def test_an_entry_that_always_dies_at_the_same_step_is_a_crash_loop(tmp_path):

@@ -51,13 +51,22 @@ class StatusResult:
     def primary(self) -> NodeStatus:
         return max(self.nodes, key=lambda n: n.record.updated_at)
 
+    @property
+    def state(self) -> RunState:
+        """The run's state over all nodes: running while any node runs; succeeded only if all did."""
+        states = [n.effective_state for n in self.nodes]
+        for candidate in (RunState.RUNNING, RunState.RESTARTING, RunState.PENDING, RunState.FAILED):
+            if candidate in states:
+                return candidate
+        return RunState.SUCCEEDED if all(s is RunState.SUCCEEDED for s in states) else RunState.STOPPED
+
     def to_json(self) -> dict[str, Any]:
         p = self.primary
         rec = p.record
         d = rec.to_dict()
         d.pop("schema_version", None)
         d.update(
-            state=p.effective_state.value,
+            state=self.state.value,
             recorded_state=rec.state.value,
             supervisor_alive=p.supervisor_alive,
             ranks=[r for n in self.nodes for r in n.ranks(self.now)],
@@ -73,7 +82,7 @@ class StatusResult:
     def renderable(self) -> Group:
         p = self.primary
         rec = p.record
-        st = p.effective_state.value
+        st = self.state.value
         sup = rec.supervisor
         alive = "alive" if p.supervisor_alive else "[red]not running[/]"
         ckpt = rec.last_checkpoint_step if rec.last_checkpoint_step is not None else "-"
@@ -87,6 +96,11 @@ class StatusResult:
         ci = rec.checkpoint_interval
         if ci:
             lines.append(f"interval  {ci.get('steps')} steps ({ci.get('mode')}: {ci.get('why', '')})")
+        if len(self.nodes) > 1:
+            lines.append("nodes     " + " · ".join(
+                f"{n.record.node}: {render.styled(n.effective_state.value)}, attempt {n.record.attempt}, "
+                f"{n.record.restarts} restart(s){'' if n.supervisor_alive else ' (supervisor not running)'}"
+                for n in self.nodes))
         parts: list[Any] = [Text.from_markup(line) for line in lines]
         if rec.message and p.effective_state in (RunState.FAILED, RunState.STOPPED):
             parts.append(Text(rec.message, style="red" if p.effective_state is RunState.FAILED else "yellow"))
@@ -121,10 +135,10 @@ class StatusResult:
                                  dash if h.resumed_from_step is None else str(h.resumed_from_step),
                                  dash if not h.lost_steps else str(h.lost_steps), h.detail or "")
             parts.append(hist)
-            lines_tl = timeline.text_timeline(rec)
-            if lines_tl:
-                parts.append(Text("timeline (s starting, █ training, x failure)", style="bold"))
-                parts.extend(Text(line) for line in lines_tl)
+            parts.append(Text("timeline (s starting, █ training, x failure)", style="bold"))
+            for n in self.nodes:
+                prefix = f"{n.record.node} " if multinode else ""
+                parts.extend(Text(prefix + line) for line in timeline.text_timeline(n.record))
         return Group(*parts)
 
 
