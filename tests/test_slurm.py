@@ -10,7 +10,6 @@ Skipped, with the reason, where sbatch/sinfo are missing or the cluster does not
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -128,7 +127,7 @@ def test_preemption_warning_checkpoints_requeues_once_and_the_requeued_job_resum
         wait_for(lambda: job_info(job_id).get("JobState") in ENDED, 180,
                  f"the requeued job to finish ({job_info(job_id)})", interval=0.5)
         info, output = job_info(job_id), slurm_output(tmp_path, job_id)
-        assert info == {"JobState": "COMPLETED", "Restarts": "1", "ExitCode": "0:0", "Reason": "None"}, output
+        assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "1", "0:0"), (info, output)
     finally:
         cancel(job_id)
 
@@ -162,4 +161,3 @@ def test_scancel_checkpoints_and_does_not_requeue(slurm, tmp_path):
     assert doc["state"] == "stopped", doc
     latest = store.latest_valid(run_dir / "checkpoints", deep=True)
     assert latest is not None and latest.step == doc["step"] == doc["history"][0]["step_at_failure"], (latest, doc)
-    assert os.path.getsize(tmp_path / f"slurm-{job_id}.out") > 0

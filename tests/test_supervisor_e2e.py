@@ -225,3 +225,17 @@ def test_a_module_that_cannot_be_imported_is_a_config_error(tmp_path):
                          capture_output=True, text=True, env=child_env(), timeout=60)
     assert out.returncode == 2 and "no_such_mod" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_users_own_script_with_the_library_survives_a_sigkill(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = resilient("run", REPO / "jobs" / "my-script.yaml", "--run-dir", run_dir, "--set",
+                     'entrypoint.args=["--steps", "400"]', "--set", "checkpoint.interval_steps=50")
+    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+        ranks = wait_for(lambda: live_ranks(run_dir, min_step=60), 90, "step 60")
+        os.kill(ranks[0]["pid"], signal.SIGKILL)
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    doc = status(run_dir)
+    assert [h["reason"] for h in doc["history"]] == ["worker_signal", "finished"]
+    assert doc["history"][1]["resumed_from_step"] >= 50
+    assert store.latest_valid(run_dir / "checkpoints").step == 400
