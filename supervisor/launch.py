@@ -24,6 +24,8 @@ import psutil
 from supervisor.api import AttemptSpec
 from supervisor.config import JobConfig
 from supervisor.protocol import Handover
+from supervisor.zygote import Zygote
+from supervisor.zygote import enabled as zygote_enabled
 
 log = logging.getLogger("resilient")
 
@@ -79,14 +81,19 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class TorchrunProcess:
     """One running torchrun and everything under it."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None):
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None,
+                 zygote: Zygote | None = None):
         self.argv = argv
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")  # noqa: SIM115 (closed in close())
-        self.popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=self._log,
-                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                      preexec_fn=_die_with_parent)
+        self._log = None
+        if zygote is not None:  # a torchrun that already imported torch becomes this attempt's
+            self.popen = zygote.launch(argv[3:], env, cwd, log_path)
+        else:
+            self._log = open(log_path, "ab")  # noqa: SIM115 (closed in close())
+            self.popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=self._log,
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          preexec_fn=_die_with_parent)
         self.pid = self.popen.pid
         self.started = time.monotonic()
         self._known: dict[int, psutil.Process] = {}
@@ -159,7 +166,34 @@ class TorchrunProcess:
         return [p.pid for p in survivors]
 
     def close(self) -> None:
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
+
+
+class TorchrunLauncher:
+    """Launches each attempt's torchrun, from a zygote started ahead of need when there is one."""
+
+    def __init__(self) -> None:
+        self._zygote: Zygote | None = None
+        self.spare()
+
+    def spare(self) -> None:
+        """Start the next zygote. The supervisor calls this once an attempt trains: started at launch, its
+        import would compete with the new workers' own imports for the CPU."""
+        if zygote_enabled() and self._zygote is None:
+            self._zygote = Zygote(preexec_fn=_die_with_parent)
+
+    def __call__(self, cfg: JobConfig, spec: AttemptSpec, handover: Handover) -> TorchrunProcess:
+        z, self._zygote = self._zygote, None
+        if z is not None and not z.alive():
+            z = None
+        return TorchrunProcess(torchrun_argv(cfg, spec), worker_env(cfg, handover), spec.logs_dir / "torchrun.log",
+                               zygote=z)
+
+    def close(self) -> None:
+        if self._zygote is not None:
+            self._zygote.discard()
+            self._zygote = None
 
 
 def root_create_time(proc: TorchrunProcess) -> float:

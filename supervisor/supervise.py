@@ -66,14 +66,6 @@ class AttemptHandle(Protocol):
 Launcher = Callable[[JobConfig, AttemptSpec, Handover], AttemptHandle]
 
 
-def torchrun_launcher(cfg: JobConfig, spec: AttemptSpec, handover: Handover) -> AttemptHandle:
-    from supervisor.launch import TorchrunProcess, torchrun_argv, worker_env
-
-    argv = torchrun_argv(cfg, spec)
-    return TorchrunProcess(argv, worker_env(cfg, handover), spec.logs_dir / "torchrun.log",
-                           cwd=cfg.source.parent if cfg.source else None)
-
-
 def oom_kills() -> int | None:
     """The kernel OOM killer's count for our cgroup (v2), to tell an OOM kill from any other SIGKILL."""
     try:
@@ -105,7 +97,7 @@ def choose_resume(root: Path, verify: str, below: int | None = None) -> ResumeCh
 
 
 class Supervisor:
-    def __init__(self, cfg: JobConfig, layout: RunLayout, *, launcher: Launcher = torchrun_launcher,
+    def __init__(self, cfg: JobConfig, layout: RunLayout, *, launcher: Launcher,
                  console: EventConsole | None = None, clock: Callable[[], float] = time.monotonic):
         from supervisor.policy import RestartPolicy
 
@@ -179,6 +171,9 @@ class Supervisor:
         try:
             return self._loop()
         finally:
+            close = getattr(self.launcher, "close", None)
+            if close is not None:
+                close()
             self.accounting.end_session(time.time())
             self.save_state()
 
@@ -347,6 +342,9 @@ class Supervisor:
                     rec.first_step_at = r.t
                     self.console.event(f"attempt {rec.attempt}: training (first step {r.step} after "
                                        f"{r.t - rec.started_at:.1f}s)")
+                    spare = getattr(self.launcher, "spare", None)
+                    if spare is not None:  # ready for the next relaunch, now that the imports are done
+                        spare()
                 self.record.step = r.step
                 self.accounting.step(r.step, r.t)
                 if self.tuner is not None:

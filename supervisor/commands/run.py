@@ -74,9 +74,9 @@ def reap_orphans(layout: RunLayout, cfg: JobConfig, console: EventConsole) -> No
 
 
 def make_launcher():  # tests replace this to capture the argv without starting torchrun
-    from supervisor.supervise import torchrun_launcher
+    from supervisor.launch import TorchrunLauncher
 
-    return torchrun_launcher
+    return TorchrunLauncher()
 
 
 def main(job: str, overrides: list[str], node: str | None) -> int:

@@ -1,0 +1,238 @@
+"""Recovery side by side, in one run: resilient vs plain `torchrun --max-restarts` on the same entry point.
+
+    python bench/recovery.py [--trials 5] [--hang-timeout 10] [--hang-cap 120]
+
+Measured, on 2 CPU ranks (gloo), the reference entry point (`-m train_entry`), steps timed from the ranks' own
+per-step sample log so both systems are measured by the same clock:
+- recovery: SIGKILL of a random rank → the first completed step of the new worker group;
+  resilient with `restart.backoff_s: 0` vs torchrun with `--max-restarts` (its in-place restart, with
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which FACTS.md saw restarts hang);
+- hang: SIGSTOP of a rank → detected (resilient: its console's "hang" line) and → first step after it;
+  torchrun with its defaults (no hang detection; gloo's 30-minute timeout) is given `--hang-cap` seconds;
+- the supervisor's own CPU and memory while it watches a healthy run.
+Writes bench/results/recovery.json and prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+ENTRY = ["--steps", "100000", "--device", "cpu", "--ckpt-interval", "20", "--test-sleep-per-step", "0.02"]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    return {k: v for k, v in e.items() if not k.startswith("RESILIENT_")}
+
+
+class Group:
+    """A launched command in its own session; killed with everything under it on exit."""
+
+    def __init__(self, argv: list[str], cwd: Path, log: Path):
+        self.log = log
+        self._f = open(log, "wb")  # noqa: SIM115
+        self.p = subprocess.Popen(argv, cwd=cwd, env=env(), stdout=self._f, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+
+    def close(self) -> None:
+        seen = []
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self.p.pid)
+            seen = [root, *root.children(recursive=True)]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.p.pid, signal.SIGKILL)
+        for p in seen:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(seen, timeout=10)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.p.wait(10)
+        self._f.close()
+
+
+def samples(folder: Path) -> list[dict]:
+    rows = []
+    for f in folder.glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+    return rows
+
+
+def wait(pred, timeout: float, what: str, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise TimeoutError(what)
+
+
+def live_workers(samples_dir: Path, min_step: int) -> dict[int, int] | None:
+    """rank → pid of the current workers once both have passed `min_step`."""
+    rows = samples(samples_dir)
+    newest: dict[int, dict] = {}
+    for r in rows:
+        if r["rank"] not in newest or r["t"] > newest[r["rank"]]["t"]:
+            newest[r["rank"]] = r
+    if len(newest) == 2 and min(r["step"] for r in newest.values()) >= min_step:
+        pids = {}
+        for f in samples_dir.glob("rank*.pid*.jsonl"):
+            rank, pid = int(f.name.split(".")[0][4:]), int(f.name.split(".")[1][3:])
+            if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                pids[rank] = pid
+        return pids if len(pids) == 2 else None
+    return None
+
+
+def first_step_after(samples_dir: Path, t0: float, old_pids: set[int]) -> float | None:
+    ts = [r["t"] for f in samples_dir.glob("*.jsonl") if int(f.name.split(".")[1][3:]) not in old_pids
+          for r in map(json.loads, f.read_text().splitlines()) if r["t"] > t0]
+    return min(ts) if ts else None
+
+
+def job_yaml(work: Path, samples_dir: Path, hang_timeout: float) -> Path:
+    args = json.dumps([*ENTRY, "--test-log-samples", str(samples_dir)])
+    job = work / "job.yaml"
+    job.write_text(textwrap.dedent(f"""\
+        name: bench
+        run_dir: run
+        entrypoint: {{module: train_entry, args: {args}}}
+        nproc_per_node: 2
+        restart: {{backoff_s: 0, max_restarts: 50, crash_loop_attempts: 50}}
+        heartbeat: {{interval_s: 0.5, timeout_s: {hang_timeout}, startup_timeout_s: 120}}
+        checkpoint: {{interval_steps: 20}}
+        stop_timeout_s: 10
+    """))
+    return job
+
+
+def launch(system: str, work: Path, samples_dir: Path, hang_timeout: float, max_restarts: int = 50) -> Group:
+    if system == "resilient":
+        job = job_yaml(work, samples_dir, hang_timeout)
+        argv = [sys.executable, "-m", "supervisor", "run", str(job)]
+    else:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", str(max_restarts), "-m", "train_entry", *ENTRY, "--test-log-samples",
+                str(samples_dir)]
+    return Group(argv, work, work / f"{system}.log")
+
+
+def recovery_trial(system: str, rng: random.Random) -> float:
+    with tempfile.TemporaryDirectory(prefix=f"rec-{system}-") as d:
+        work, samples_dir = Path(d), Path(d) / "samples"
+        g = launch(system, work, samples_dir, hang_timeout=30)
+        try:
+            pids = wait(lambda: live_workers(samples_dir, 30), 180, "training")
+            time.sleep(rng.uniform(0, 1))
+            victim = pids[rng.choice([0, 1])]
+            t0 = time.time()
+            os.kill(victim, signal.SIGKILL)
+            t1 = wait(lambda: first_step_after(samples_dir, t0, set(pids.values())), 120, "the first new step")
+            return t1 - t0
+        finally:
+            g.close()
+
+
+def hang_trial(system: str, hang_timeout: float, cap: float) -> dict[str, float | None]:
+    with tempfile.TemporaryDirectory(prefix=f"hang-{system}-") as d:
+        work, samples_dir = Path(d), Path(d) / "samples"
+        g = launch(system, work, samples_dir, hang_timeout)
+        try:
+            pids = wait(lambda: live_workers(samples_dir, 30), 180, "training")
+            t0 = time.time()
+            os.kill(pids[1], signal.SIGSTOP)
+            detected = step = None
+            deadline = time.time() + cap
+            while time.time() < deadline and step is None:
+                if detected is None and system == "resilient" and "hang —" in g.log.read_text(errors="replace"):
+                    detected = time.time() - t0
+                s = first_step_after(samples_dir, t0, set(pids.values()))
+                step = None if s is None else s - t0
+                time.sleep(0.05)
+            return {"detected_s": detected, "first_step_s": step}
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[1], signal.SIGCONT)
+            g.close()
+
+
+def supervisor_cost(seconds: float) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="cost-") as d:
+        work, samples_dir = Path(d), Path(d) / "samples"
+        g = launch("resilient", work, samples_dir, hang_timeout=30)
+        try:
+            wait(lambda: live_workers(samples_dir, 10), 180, "training")
+            sup = psutil.Process(g.p.pid)
+            c0, t0 = sum(sup.cpu_times()[:2]), time.monotonic()
+            rss = []
+            while time.monotonic() - t0 < seconds:
+                rss.append(sup.memory_info().rss)
+                time.sleep(0.5)
+            cpu = (sum(sup.cpu_times()[:2]) - c0) / (time.monotonic() - t0)
+            return {"cpu_percent": round(100 * cpu, 2), "rss_mb": round(max(rss) / 1e6, 1), "seconds": seconds}
+        finally:
+            g.close()
+
+
+def stats(xs: list[float]) -> str:
+    return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}" if xs else "-"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--hang-timeout", type=float, default=10.0, help="resilient's heartbeat.timeout_s")
+    p.add_argument("--hang-cap", type=float, default=120.0, help="give up waiting for a hang to be handled")
+    p.add_argument("--cost-seconds", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+    rec: dict[str, list[float]] = {"resilient": [], "torchrun": []}
+    for i in range(args.trials):  # interleaved, so a change in machine load hits both
+        for system in ("resilient", "torchrun"):
+            rec[system].append(recovery_trial(system, rng))
+            print(f"trial {i + 1}: {system} recovered in {rec[system][-1]:.2f}s", flush=True)
+    hang = {s: hang_trial(s, args.hang_timeout, args.hang_cap) for s in ("resilient", "torchrun")}
+    cost = supervisor_cost(args.cost_seconds)
+    ratio = statistics.median(rec["resilient"]) / statistics.median(rec["torchrun"])
+    print("\n| SIGKILL → first new step (s), min / median / max | resilient | torchrun --max-restarts |")
+    print("| --- | --- | --- |")
+    print(f"| {args.trials} trials each, interleaved | {stats(rec['resilient'])} | {stats(rec['torchrun'])} |")
+    print(f"\nratio of medians resilient / torchrun: {ratio:.2f}")
+    print(f"\n| SIGSTOP of a rank | resilient (heartbeat.timeout_s={args.hang_timeout:g}) | torchrun defaults |")
+    print("| --- | --- | --- |")
+
+    def fmt(v: float | None) -> str:
+        return f"{v:.1f}s" if v is not None else f"not within {args.hang_cap:.0f}s"
+
+    print(f"| detected | {fmt(hang['resilient']['detected_s'])} | never (no hang detection) |")
+    print(f"| first step after it | {fmt(hang['resilient']['first_step_s'])} | {fmt(hang['torchrun']['first_step_s'])} |")
+    print(f"\nsupervisor while watching: {cost['cpu_percent']}% of one core, {cost['rss_mb']} MB RSS "
+          f"(over {cost['seconds']:.0f}s)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"recovery_s": rec, "ratio_of_medians": ratio, "hang": hang, "supervisor": cost,
+                               "args": vars(args)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
