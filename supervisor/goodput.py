@@ -59,7 +59,10 @@ class AttemptAccount:
 
     @property
     def useful_s(self) -> float:
-        return max(0.0, self.train_s - self.lost_s - (self.blocking_s - self.lost_blocking_s))
+        # A save of the last step (the final or a stop save) blocks after training ended: it is in the tail.
+        after_last = self.blocking_by_step.get(str(self.last_step), 0.0) if self.last_step is not None else 0.0
+        inside = self.blocking_s - self.lost_blocking_s - (after_last if after_last and not self.lost_steps else 0.0)
+        return max(0.0, self.train_s - self.lost_s - inside)
 
 
 @dataclass

@@ -76,6 +76,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6").prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    # SIGUSR1 asks ranks for stack dumps (and Slurm sends it to every process of a job step without B:);
+    # torchrun's default action would be to die of it. Ranks install their own handler.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 class TorchrunProcess:
@@ -143,6 +146,17 @@ class TorchrunProcess:
             with contextlib.suppress(psutil.Error):
                 if os.getpgid(p.pid) != self.pid:
                     p.send_signal(sig)
+
+    def signal_ranks(self, sig: int) -> None:
+        """Signal torchrun's workers but not torchrun: a torchrun signalled twice (by Slurm, then by us)
+        aborts its own orderly shutdown. Before any worker exists, torchrun itself is signalled."""
+        self.track()
+        workers = [p for p in self.alive() if p.pid != self.pid]
+        if not workers:
+            self.signal_group(sig)
+        for p in workers:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
 
     def stop(self, grace_s: float) -> list[int]:
         """SIGTERM everything, wait up to `grace_s` for torchrun to exit (the ranks checkpoint meanwhile),

@@ -59,6 +59,7 @@ class AttemptHandle(Protocol):
     def wait(self, timeout: float) -> int | None: ...
     def track(self, extra_pids: Any = ()) -> None: ...
     def signal_group(self, sig: int) -> None: ...
+    def signal_ranks(self, sig: int) -> None: ...
     def stop(self, grace_s: float) -> list[int]: ...
     def close(self) -> None: ...
 
@@ -268,10 +269,13 @@ class Supervisor:
             self._retune()
         oom_before = oom_kills()
         handle = self.launcher(self.cfg, spec, self._handover(spec))
+        outcome: AttemptOutcome | None = None
         try:
             outcome = self._watch(spec, handle, rec, oom_before)
         finally:
-            survivors = handle.stop(grace_s=HANG_STOP_GRACE_S)
+            # Ranks asked to stop may still be writing their checkpoint after torchrun is gone.
+            stopping = outcome is not None and outcome.reason == api.STOPPED
+            survivors = handle.stop(grace_s=self.cfg.stop_timeout_s if stopping else HANG_STOP_GRACE_S)
             if survivors:
                 self.console.event(f"processes survived SIGKILL: {survivors}", style="red")
             handle.close()
@@ -325,9 +329,12 @@ class Supervisor:
                 self._follow_steps(steps.poll(), rec, heartbeats)
                 self._update_ranks(heartbeats, watch, self.clock())
                 oom_after = oom_kills()
-                return classify.classify(rc, classify.tail(handle.log_path, 200_000), heartbeats,
-                                         self._rank_logs(spec, heartbeats),
-                                         oom_killed=oom_before is not None and (oom_after or 0) > oom_before)
+                outcome = classify.classify(rc, classify.tail(handle.log_path, 200_000), heartbeats,
+                                            self._rank_logs(spec, heartbeats),
+                                            oom_killed=oom_before is not None and (oom_after or 0) > oom_before)
+                if outcome.reason in (api.COLLECTIVE_TIMEOUT, api.NODE_LOST):
+                    outcome.detail += self._silent_ranks(watch, heartbeats, outcome.failed_rank)
+                return outcome
             if self.stop_signal is not None:
                 return self._stop_attempt(spec, handle, heartbeats)
             hangs = watch.hangs(now)
@@ -440,6 +447,16 @@ class Supervisor:
         if heartbeats:
             self.record.step = max(hb.step for hb in heartbeats.values())
 
+    def _silent_ranks(self, watch: RankWatch, heartbeats: dict[int, Heartbeat], failed: int | None) -> str:
+        """The rank that timed out is rarely the one that hung: name any rank that had stopped beating."""
+        limit = 3 * self.cfg.heartbeat.interval_s
+        ages = watch.ages(self.clock())
+        silent = sorted(((age, r) for r, age in ages.items()
+                         if age > limit and r != failed and heartbeats.get(r) and heartbeats[r].phase != "exited"),
+                        reverse=True)
+        return "".join(f"; rank {r} had been silent for {age:.0f}s (it is likely the one that hung)"
+                       for age, r in silent[:2])
+
     def _rank_logs(self, spec: AttemptSpec, heartbeats: dict[int, Heartbeat]) -> dict[int, str]:
         return {rank: classify.tail(path) for rank, path in rank_stderr_paths(spec, heartbeats).items()}
 
@@ -461,7 +478,7 @@ class Supervisor:
         name = signal.Signals(self.stop_signal or signal.SIGTERM).name
         self.console.event(f"{name}: asking the ranks to checkpoint and stop (up to {self.cfg.stop_timeout_s:.0f}s)",
                            style="yellow")
-        handle.signal_group(signal.SIGTERM)
+        handle.signal_ranks(signal.SIGTERM)
         rc = handle.wait(self.cfg.stop_timeout_s + 5)
         heartbeats = read_heartbeats(spec.heartbeat_dir) or heartbeats
         self.record.step = step = max((hb.step for hb in heartbeats.values()), default=self.record.step)

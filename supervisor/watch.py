@@ -108,7 +108,8 @@ class RankWatch:
         return {rank: now - s.seq_at for rank, s in self.seen.items()}
 
     def stragglers(self, factor: float = 0.5) -> dict[int, float]:
-        """Ranks whose own step rate is below `factor` × the median: rank → its rate. Reported, not killed.
+        """Ranks whose own step rate is below `factor` × the other ranks' median: rank → its rate. Reported,
+        not killed.
 
         In synchronous training every rank completes steps at the same wall rate, so the rate compared is the
         one that leaves out the time a rank waited for the others at the step-end sync: the rank everybody
@@ -117,8 +118,12 @@ class RankWatch:
                  if s.hb.own_steps_per_s is not None and s.hb.phase == "train"}
         if len(rates) < 2:
             return {}
-        median = statistics.median(rates.values())
-        return {r: v for r, v in rates.items() if median > 0 and v < factor * median}
+        slow = {}
+        for r, v in rates.items():  # against the others' median: with two ranks, the straggler is half of any median
+            others = statistics.median(x for q, x in rates.items() if q != r)
+            if others > 0 and v < factor * others:
+                slow[r] = v
+        return slow
 
     def max_step(self) -> int | None:
         steps = [s.hb.step for s in self.seen.values()]

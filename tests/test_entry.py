@@ -170,6 +170,11 @@ def test_sigterm_exits_preempted_with_a_checkpoint_at_the_stop_step(tmp_path):
             "--test-sleep-per-step", "0.02"]
     with started(torchrun(2, args), tmp_path, log=tmp_path / "run.log") as p:
         wait_for(lambda: (heartbeat(tmp_path / "hb", 1) or {}).get("step", 0) >= 15, 90, "step 15")
+        # SIGUSR1: every thread's stack goes to the rank's log, and training goes on.
+        os.kill(heartbeat(tmp_path / "hb", 0)["pid"], signal.SIGUSR1)
+        wait_for(lambda: "most recent call first" in p.output(), 30, "the stack dump")
+        step_at_dump = heartbeat(tmp_path / "hb", 0)["step"]
+        wait_for(lambda: heartbeat(tmp_path / "hb", 0)["step"] > step_at_dump + 5, 30, "training to go on")
         for rank in (0, 1):  # a preemption reaches every process of the node
             os.kill(heartbeat(tmp_path / "hb", rank)["pid"], signal.SIGTERM)
         p.wait(60)

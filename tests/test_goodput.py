@@ -29,11 +29,12 @@ def test_one_failure_then_finish():
     assert a1.startup_s == pytest.approx(5.1) and a1.train_s == pytest.approx(2.9)
     assert a1.useful_s == pytest.approx(2.9 - 1.0 - 0.1)
     assert a1.tail_s == pytest.approx(0.5)
-    assert a2.startup_s == pytest.approx(3.6) and a2.useful_s == pytest.approx(2.9 - 0.15)
+    # The final save (step 50) blocks after the last step: it is part of the tail, not of training.
+    assert a2.startup_s == pytest.approx(3.6) and a2.useful_s == pytest.approx(2.9 - 0.10)
     s = acc.summary(100.0)  # the session ended: `now` no longer counts
     assert s["wall_s"] == pytest.approx(16.5) and s["down_s"] == pytest.approx(1.0)
-    assert s["lost_steps"] == 10 and s["useful_s"] == pytest.approx(4.55)
-    assert s["goodput"] == pytest.approx(4.55 / 16.5, abs=1e-3)
+    assert s["lost_steps"] == 10 and s["useful_s"] == pytest.approx(4.60)
+    assert s["goodput"] == pytest.approx(4.60 / 16.5, abs=1e-3)
     parts = s["startup_s"] + s["train_s"] + s["tail_s"] + s["down_s"]
     assert parts == pytest.approx(16.2)  # the rest is the supervisor's own start and finish
 
@@ -63,6 +64,16 @@ def test_rollback_below_the_attempts_start_loses_all_of_it():
     a1 = acc.attempts[0]
     assert a1.lost_steps == 20 and a1.lost_s == pytest.approx(a1.train_s)
     assert a1.lost_blocking_s == pytest.approx(0.2) and a1.useful_s == 0.0
+
+
+def test_a_slow_stop_save_after_the_last_step_does_not_eat_training_time():
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, None)
+    run_steps(acc, 1, 100, 5.0, 0.1, {50: 0.05, 100: 12.0})  # 9.9 s of training, then a 12 s stop save
+    acc.end(20.0)
+    a = acc.attempts[0]
+    assert a.useful_s == pytest.approx(9.9 - 0.05)
 
 
 def test_a_stop_that_checkpoints_loses_nothing():

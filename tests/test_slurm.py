@@ -2,7 +2,9 @@
 
 A preemption warning (SIGUSR1 to the batch shell, as `--signal=B:USR1@120` sends before the time limit)
 must make the ranks checkpoint at the step they are on, requeue the job once, and the requeued job must
-resume from that checkpoint and finish. A plain `scancel` must checkpoint too, and not requeue.
+resume from that checkpoint and finish. A plain `scancel` must checkpoint too, and not requeue. With two
+Slurm nodes emulated on this host (`SLURM_NODES=2 .ci/setup-slurm.sh`), the same warning is tried on a
+two-node job: one supervisor per node, one rendezvous, one requeue.
 
 Skipped, with the reason, where sbatch/sinfo are missing or the cluster does not answer.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from supervisor import store
-from tests.proc import REPO, child_env, wait_for
+from tests.proc import REPO, child_env, free_port, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -46,21 +49,41 @@ def slurm() -> None:
         pytest.skip(f"no Slurm node can take a job now (node states: {states or 'none'})")
 
 
-def slurm_env() -> dict[str, str]:
+@pytest.fixture(scope="module")
+def two_local_nodes(slurm) -> list[tuple[str, str]]:
+    """Two idle Slurm nodes on this very host (so they share tmp_path), as [(name, address)]; else skip."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"], capture_output=True, text=True, timeout=15)
+    here = {socket.gethostname(), socket.gethostname().split(".")[0]}
+    local = []
+    for name in sorted(set(out.stdout.split())):
+        node = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True, timeout=15).stdout
+        fields = dict(re.findall(r"\b(NodeHostName|NodeAddr)=(\S+)", node))
+        if fields.get("NodeHostName") in here:
+            local.append((name, fields.get("NodeAddr", name)))
+    if len(local) < 2:
+        pytest.skip(f"needs two idle Slurm nodes on this host (found {[n for n, _ in local]}); "
+                    "start them with SLURM_NODES=2 .ci/setup-slurm.sh")
+    return local[:2]
+
+
+def slurm_env(**extra: str) -> dict[str, str]:
     """The environment sbatch passes on (--export=ALL): the supervisor as `python -m supervisor` from this
     interpreter, and none of an enclosing Slurm job's variables."""
-    env = child_env(RESILIENT=f"{sys.executable} -m supervisor")
+    env = child_env(RESILIENT=f"{sys.executable} -m supervisor", **extra)
     for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k != "SLURM_CONF"]:
         del env[key]
     return env
 
 
-def submit(tmp_path: Path, run_dir: Path, steps: int) -> str:
+def submit(tmp_path: Path, run_dir: Path, steps: int, *sets: str, sbatch_args: tuple[str, ...] = (),
+           env: dict[str, str] | None = None) -> str:
     entry = ["--steps", str(steps), "--device", "cpu", "--test-sleep-per-step", "0.05"]
     argv = ["sbatch", "--parsable", "--job-name", "resilient-test", "--output", str(tmp_path / "slurm-%j.out"),
-            str(SBATCH), str(JOB), "--run-dir", str(run_dir), "--set", "checkpoint.interval_steps=40",
+            *sbatch_args, str(SBATCH), str(JOB), "--run-dir", str(run_dir), "--set", "checkpoint.interval_steps=40",
             "--set", "restart.backoff_s=0.2", "--set", f"entrypoint.args={json.dumps(entry)}"]
-    out = subprocess.run(argv, cwd=tmp_path, env=slurm_env(), capture_output=True, text=True, timeout=30)
+    for item in sets:
+        argv += ["--set", item]
+    out = subprocess.run(argv, cwd=tmp_path, env=env or slurm_env(), capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, f"sbatch failed: {out.stderr}"
     return out.stdout.strip().split(";")[0]
 
@@ -78,17 +101,18 @@ def slurm_output(tmp_path: Path, job_id: str) -> str:
     return path.read_text(errors="replace") if path.exists() else "(no output file yet)"
 
 
-def run_state(run_dir: Path) -> dict:
+def run_state(run_dir: Path, node: str | None = None) -> dict:
+    """One supervisor's state file: the run dir's own (one node), or nodes/NODE/state.json (several)."""
     try:
-        return json.loads((run_dir / "state.json").read_text())
+        return json.loads((run_dir / ("nodes/" + node if node else "") / "state.json").read_text())
     except (OSError, ValueError):
         return {}
 
 
-def training(run_dir: Path, min_step: int) -> dict:
-    s = run_state(run_dir)
+def training(run_dir: Path, min_step: int, node: str | None = None, nproc: int = 2) -> dict:
+    s = run_state(run_dir, node)
     ranks = [r for r in s.get("ranks", []) if r.get("alive") and r.get("phase") == "train"]
-    if s.get("state") == "running" and len(ranks) == 2 and min(r["step"] for r in ranks) >= min_step:
+    if s.get("state") == "running" and len(ranks) == nproc and min(r["step"] for r in ranks) >= min_step:
         return s
     return {}
 
@@ -98,6 +122,16 @@ def status(run_dir: Path) -> dict:
                          capture_output=True, text=True, env=child_env(), timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+def wait_job(job_id: str, tmp_path: Path, predicate, timeout: float, what: str):
+    """wait_for, with the job's Slurm state, the run's state and the job's output when it times out."""
+    try:
+        return wait_for(predicate, timeout, what, interval=0.2)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; job {job_id}: {job_info(job_id)}, run state: "
+                             f"{run_state(tmp_path / 'run').get('state')}; output:\n"
+                             f"{slurm_output(tmp_path, job_id)[-4000:]}") from None
 
 
 def cancel(job_id: str) -> None:
@@ -111,21 +145,21 @@ def test_preemption_warning_checkpoints_requeues_once_and_the_requeued_job_resum
     run_dir = tmp_path / "run"
     job_id = submit(tmp_path, run_dir, steps=150)
     try:
-        wait_for(lambda: training(run_dir, min_step=5), 120,
-                 f"training on both ranks (job {job_id}: {job_info(job_id)})", interval=0.2)
+        wait_job(job_id, tmp_path, lambda: training(run_dir, min_step=5), 120, "training on both ranks")
         # What `--signal=B:USR1@120` sends before the time limit: USR1 to the batch shell only.
         subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
 
         # Between the two runs: requeued (pending, Restarts=1), the first supervisor stopped.
-        wait_for(lambda: job_info(job_id).get("Restarts") == "1" and run_state(run_dir).get("state") == "stopped",
-                 60, f"the requeue ({job_info(job_id)}); output:\n{slurm_output(tmp_path, job_id)}", interval=0.2)
+        wait_job(job_id, tmp_path,
+                 lambda: job_info(job_id).get("Restarts") == "1" and run_state(run_dir).get("state") == "stopped",
+                 60, "the requeue, with the first supervisor stopped")
         stopped = run_state(run_dir)
         stop_step = stopped["step"]
         latest = store.latest_valid(run_dir / "checkpoints", deep=True)
         assert latest is not None and latest.step == stop_step, (latest, stop_step)
 
-        wait_for(lambda: job_info(job_id).get("JobState") in ENDED, 180,
-                 f"the requeued job to finish ({job_info(job_id)})", interval=0.5)
+        wait_job(job_id, tmp_path, lambda: job_info(job_id).get("JobState") in ENDED, 180,
+                 "the requeued job to finish")
         info, output = job_info(job_id), slurm_output(tmp_path, job_id)
         assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "1", "0:0"), (info, output)
     finally:
@@ -147,11 +181,9 @@ def test_scancel_checkpoints_and_does_not_requeue(slurm, tmp_path):
     run_dir = tmp_path / "run"
     job_id = submit(tmp_path, run_dir, steps=400)
     try:
-        wait_for(lambda: training(run_dir, min_step=5), 120,
-                 f"training on both ranks (job {job_id}: {job_info(job_id)})", interval=0.2)
+        wait_job(job_id, tmp_path, lambda: training(run_dir, min_step=5), 120, "training on both ranks")
         subprocess.run(["scancel", job_id], check=True, timeout=30)  # SIGTERM to every process, then KillWait
-        wait_for(lambda: job_info(job_id).get("JobState") in ENDED, 90,
-                 f"the job to end ({job_info(job_id)})", interval=0.5)
+        wait_job(job_id, tmp_path, lambda: job_info(job_id).get("JobState") in ENDED, 90, "the job to end")
         info, output = job_info(job_id), slurm_output(tmp_path, job_id)
     finally:
         cancel(job_id)
@@ -161,3 +193,43 @@ def test_scancel_checkpoints_and_does_not_requeue(slurm, tmp_path):
     assert doc["state"] == "stopped", doc
     latest = store.latest_valid(run_dir / "checkpoints", deep=True)
     assert latest is not None and latest.step == doc["step"] == doc["history"][0]["step_at_failure"], (latest, doc)
+
+
+def test_two_nodes_one_supervisor_each_requeue_once_and_resume_together(two_local_nodes, tmp_path):
+    """The multi-node path of the script: --set nnodes=2, the rendezvous on the first node, --node per task."""
+    (first, first_addr), (second, _) = two_local_nodes
+    names = [first, second]
+    run_dir = tmp_path / "run"
+    # The emulated nodes' names do not resolve: the rendezvous host is the first node's address.
+    env = slurm_env(RESILIENT_RDZV_HOST=first_addr, RESILIENT_RDZV_PORT=str(free_port()))
+    job_id = submit(tmp_path, run_dir, 150, "nproc_per_node=1", env=env,
+                    sbatch_args=("--nodes=2", f"--nodelist={first},{second}"))
+    try:
+        wait_job(job_id, tmp_path, lambda: all(training(run_dir, 5, n, nproc=1) for n in names), 150,
+                 "training on both nodes")
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
+        wait_job(job_id, tmp_path, lambda: job_info(job_id).get("Restarts") == "1"
+                 and all(run_state(run_dir, n).get("state") == "stopped" for n in names),
+                 60, "the requeue, with both supervisors stopped")
+        stop_steps = {run_state(run_dir, n)["step"] for n in names}
+        latest = store.latest_valid(run_dir / "checkpoints", deep=True)
+        assert len(stop_steps) == 1 and latest is not None and latest.step in stop_steps, (stop_steps, latest)
+        stop_step = latest.step
+        wait_job(job_id, tmp_path, lambda: job_info(job_id).get("JobState") in ENDED, 180,
+                 "the requeued job to finish")
+        info, output = job_info(job_id), slurm_output(tmp_path, job_id)
+        assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "1", "0:0"), (info, output)
+    finally:
+        cancel(job_id)
+
+    assert output.count("requeueing job") == 1, output
+    assert f"--set nnodes=2 --set rdzv.endpoint={first_addr}:" in output, output
+    assert output.count(f"resuming from step {stop_step}") == 2 and output.count("finished at step 150") == 2, output
+    doc = status(run_dir)
+    assert doc["state"] == "succeeded", doc
+    per_node = {n["node"]: n for n in doc["nodes"]}
+    assert sorted(per_node) == sorted(names), per_node.keys()
+    for node in per_node.values():
+        first_run, second_run = node["history"]
+        assert first_run["reason"] == "stopped" and first_run["step_at_failure"] == stop_step, first_run
+        assert second_run["resumed_from_step"] == stop_step and second_run["reason"] == "finished", second_run

@@ -207,6 +207,9 @@ def test_stragglers_compare_own_rates():
     w.observe({r: hb(r, phase="train", steps_per_s=5.0, own_steps_per_s=v) for r, v in
                enumerate([20.0, 19.0, 21.0, 5.0])}, now=1)
     assert list(w.stragglers()) == [3]
+    w2 = RankWatch(0.0, 10, 10)  # two ranks: the straggler must not hide by pulling the median down
+    w2.observe({0: hb(0, phase="train", own_steps_per_s=18.2), 1: hb(1, phase="train", own_steps_per_s=6.4)}, now=1)
+    assert list(w2.stragglers()) == [1]
 
 
 # ---- the CLI builds the exact torchrun argv -------------------------------------------------------
@@ -226,6 +229,9 @@ class FakeHandle:
         list(extra_pids)
 
     def signal_group(self, sig):
+        pass
+
+    def signal_ranks(self, sig):
         pass
 
     def stop(self, grace_s):

@@ -172,6 +172,7 @@ class Checkpointer:
                          step, final.name, size / 1e6, blocking_s if blocking_s is not None else total, total)
                 if self.on_committed is not None:
                     self.on_committed(CommitRecord(step, time.time(), total, size))
+            dist.barrier(group=group)  # on every rank, a finished save (or wait()) means committed
             self.last_save_s = time.monotonic() - t0
         finally:
             if partial is not None:

@@ -89,7 +89,8 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
         console = EventConsole(cfg.name)
         reap_orphans(layout, cfg, console)
         sup = Supervisor(cfg, layout, console=console, launcher=make_launcher())
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGUSR1 is Slurm's usual "about to be preempted" warning: stop gracefully too (exit 143).
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, lambda signum, _frame: sup.request_stop(signum))
         started = time.monotonic()
         code = sup.run()
