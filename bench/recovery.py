@@ -225,7 +225,8 @@ def main() -> None:
         return f"{v:.1f}s" if v is not None else f"not within {args.hang_cap:.0f}s"
 
     print(f"| detected | {fmt(hang['resilient']['detected_s'])} | never (no hang detection) |")
-    print(f"| first step after it | {fmt(hang['resilient']['first_step_s'])} | {fmt(hang['torchrun']['first_step_s'])} |")
+    first = {s: fmt(hang[s]["first_step_s"]) for s in hang}
+    print(f"| first step after it | {first['resilient']} | {first['torchrun']} |")
     print(f"\nsupervisor while watching: {cost['cpu_percent']}% of one core, {cost['rss_mb']} MB RSS "
           f"(over {cost['seconds']:.0f}s)")
     out = Path(args.out)
