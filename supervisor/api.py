@@ -40,6 +40,7 @@ class AttemptSpec:
     heartbeat_dir: Path
     step_log: Path
     control_file: Path
+    rdzv_id: str | None = None  # this attempt's rendezvous run id (several nodes); None: the job's rdzv.id
 
 
 @dataclass

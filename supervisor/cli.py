@@ -130,6 +130,21 @@ def gc(
     _guard(as_json, body)
 
 
+@app.command("rdzv-store")
+def rdzv_store(
+    host: str = typer.Option("0.0.0.0", "--host", help="The address to listen on."),
+    port: int = typer.Option(29400, "--port", help="The port (rdzv.endpoint's)."),
+) -> None:
+    """Run a rendezvous store on a machine that is not a training node (rdzv.conf.is_host: false)."""
+
+    def body() -> int:
+        from supervisor.commands import rdzv_store as store_cmd
+
+        return store_cmd.main(host, port)
+
+    _guard(False, body)
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

@@ -8,8 +8,9 @@ of a restart, the interval that minimises expected waste is, to first order (Dal
 and the waste at T* is about C/T* + (T*/2 + R)/F. Here:
 - C is what a save really costs training: the time it blocks the loop, plus the extra time of the steps
   that ran while the save persisted in the background (on a busy host those steps are slower);
-- F is (prior + supervised wall time) / (1 + failures): the prior (`checkpoint.expected_mtbf_s`, default
-  one hour) counts as one pseudo-interval, so a new run starts from the prior and observed failures move it;
+- F is the mean time between failures: with a prior (`checkpoint.expected_mtbf_s`), (prior + supervised
+  wall time) / (1 + failures), the prior counting as one pseudo-interval; without one, supervised wall time /
+  failures once a failure was seen, and one hour before (a weak default must not outweigh what is observed);
 - R is the measured restart cost (failure → first step of the next attempt), 0 until one is seen.
 T* becomes steps through the median step time, bounded by `min_interval_steps`/`max_interval_steps`, and
 never below the steps a background save needs to finish (so saves never queue behind each other).
@@ -44,7 +45,11 @@ def expected_waste(interval_s: float, save_cost_s: float, mtbf_s: float, restart
 
 
 def mtbf_estimate(prior_s: float | None, observed_s: float, failures: int) -> float:
-    return ((prior_s or DEFAULT_MTBF_S) + observed_s) / (1 + failures)
+    if prior_s is not None:
+        return (prior_s + observed_s) / (1 + failures)
+    if failures:
+        return max(observed_s, 1.0) / failures
+    return max(DEFAULT_MTBF_S, observed_s)
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,7 @@ class IntervalTuner:
         steps = max(1, round(t_opt / step_s))
         floor = math.ceil(max(self.persist, default=0.0) / step_s) if self.persist else 1
         bounded = max(self.min_steps, floor, min(self.max_steps, steps))
-        prior = f"prior {self.prior or DEFAULT_MTBF_S:.0f}s" + ("" if self.prior else " (default)")
+        prior = f"prior {self.prior:.0f}s" if self.prior else "no prior"
         why = (f"Young/Daly: save cost {cost:.3f}s, MTBF {mtbf:.0f}s ({prior}, {failures} failure(s) in "
                f"{observed_s:.0f}s), restart {restart:.1f}s → T*={t_opt:.1f}s = {steps} steps of {step_s * 1e3:.1f}ms")
         if bounded != steps:

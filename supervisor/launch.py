@@ -47,7 +47,7 @@ def torchrun_argv(cfg: JobConfig, spec: AttemptSpec, *, python: str = sys.execut
         argv += ["--standalone"]  # one node, a free port chosen by torchrun's own store
     else:
         argv += ["--rdzv-backend", cfg.rdzv.backend, "--rdzv-endpoint", cfg.rdzv.endpoint,
-                 "--rdzv-id", cfg.rdzv.id]
+                 "--rdzv-id", spec.rdzv_id or cfg.rdzv.id]
         if cfg.rdzv.conf:
             argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in cfg.rdzv.conf.items())]
     argv += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.1",

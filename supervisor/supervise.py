@@ -41,6 +41,7 @@ from supervisor.protocol import (
     read_heartbeats,
     write_control,
 )
+from supervisor.rdzv import Generations, run_id
 from supervisor.state import AttemptRecord, RunRecord, RunState
 from supervisor.watch import RankWatch
 
@@ -118,6 +119,9 @@ class Supervisor:
         self.tuner = (IntervalTuner(ck.expected_mtbf_s, ck.min_interval_steps, ck.max_interval_steps)
                       if ck.auto else None)
         self.control_file = layout.node_dir / "control.json"
+        # Several nodes: each formation of the group gets its own rendezvous run id (supervisor/rdzv.py).
+        self.generations = Generations(cfg.run_dir) if cfg.rdzv.endpoint is not None else None
+        self._generation = self.generations.current() if self.generations else None
         self._interval: int | None = ck.interval_steps
         self._last_state_write = 0.0
 
@@ -200,6 +204,7 @@ class Supervisor:
                 return ExitCode.OK
             if outcome.reason == api.STOPPED:
                 return self._stopped(outcome)
+            self._next_generation(outcome)
             if outcome.reason == api.RENDEZVOUS:
                 decision = self.policy.decide_rendezvous(outcome, self.clock())
             else:
@@ -220,11 +225,21 @@ class Supervisor:
             if self._wake.wait(decision.wait_s):
                 self._wake.clear()
 
+    def _next_generation(self, outcome: AttemptOutcome) -> None:
+        """torchrun closed the rendezvous it formed (or found it closed): relaunch in the next one. A launch
+        that never got that far (the store unreachable) retries the same generation."""
+        if self.generations is None or self._generation is None:
+            return
+        formed = outcome.reason != api.RENDEZVOUS or "Closed" in outcome.detail
+        if formed:
+            self._generation = self.generations.after(self._generation)
+
     def _next_spec(self, choice: ResumeChoice) -> AttemptSpec:
         attempt = (self.record.history[-1].attempt + 1) if self.record.history else 1
         logs = self.layout.logs_dir(attempt)
+        rdzv = run_id(self.cfg.rdzv.id, self._generation) if self._generation is not None else None
         return AttemptSpec(attempt, choice.step, choice.path, logs, self.layout.heartbeat_dir(attempt),
-                           self.layout.step_log(attempt), self.control_file)
+                           self.layout.step_log(attempt), self.control_file, rdzv)
 
     def _handover(self, spec: AttemptSpec) -> Handover:
         c = self.cfg
@@ -417,7 +432,8 @@ class Supervisor:
 
     def _follow_resume(self, rec: AttemptRecord, heartbeats: dict[int, Heartbeat]) -> None:
         """The ranks agree on the resume step among all nodes; record the one they actually loaded."""
-        loaded = {hb.resumed_from for hb in heartbeats.values() if hb.phase in ("train", "save", "exited")}
+        # Only ranks that got as far as training have loaded anything (one that died first says None).
+        loaded = {hb.resumed_from for hb in heartbeats.values() if hb.phase in ("train", "save")}
         if len(loaded) != 1:
             return
         step = loaded.pop()

@@ -188,3 +188,9 @@ def test_flip_byte_helper_changes_exactly_one_byte(tmp_path):
     p.write_bytes(b"\0" * 200)
     flip_byte(p)
     assert p.read_bytes().count(b"\xff") == 1
+
+
+def test_status_watch_returns_when_the_run_is_over(tmp_path, cli):
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=60)
+    r = cli("status", tmp_path, "--watch")
+    assert r.exit_code == 0 and "tiny" in r.stdout and "succeeded" in r.stdout

@@ -67,29 +67,30 @@ class Node:
         ranks = [r for r in self.state().get("ranks", []) if r.get("alive") and r.get("phase") == "train"]
         return ranks[0] if ranks else None
 
-    def torchrun(self) -> psutil.Process | None:
+    def launchers(self) -> list[psutil.Process]:
+        """The supervisor's children: its torchrun (a pre-started one, see supervisor/zygote.py) and spare."""
         try:
-            for p in psutil.Process(self.proc.pid).children():
-                if "torch.distributed.run" in " ".join(p.cmdline()):
-                    return p
+            return psutil.Process(self.proc.pid).children()
         except psutil.Error:
-            pass
-        return None
+            return []
 
     def hosts_store(self, port: int) -> bool:
-        tr = self.torchrun()
-        try:
-            return tr is not None and any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
-                                          for c in tr.net_connections(kind="tcp"))
-        except psutil.Error:
-            return False
+        for p in self.launchers():
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections("tcp")):
+                    return True
+            except psutil.Error:
+                pass
+        return False
 
     def kill(self) -> None:
         """The node dies: its supervisor, torchrun and rank, all at once."""
         victims = [psutil.Process(self.proc.pid)]
-        tr = self.torchrun()
-        if tr is not None:
-            victims += [tr, *tr.children(recursive=True)]
+        for p in self.launchers():
+            try:
+                victims += [p, *p.children(recursive=True)]
+            except psutil.Error:
+                pass
         for p in victims:
             try:
                 p.kill()
@@ -218,3 +219,33 @@ def test_nodes_agree_on_the_resume_step_when_they_judge_the_newest_differently(t
     resumed = {n.name: n.state()["history"][-1]["resumed_from_step"] for n in (a2, b2)}
     assert resumed == {"a": older.step, "b": older.step}
     assert os.path.exists(root / store.step_dirname(STEPS))
+
+
+def test_a_separately_started_store_outlives_a_lost_node(tmp_path):
+    """`resilient rdzv-store` on a "third machine"; both nodes are clients (`is_host: false`). Losing a node
+    loses no store, and the survivor re-forms the group under the next generation's run id."""
+    port = free_port()
+    store_proc = Proc(resilient("rdzv-store", "--host", "127.0.0.1", "--port", port), tmp_path,
+                      log=tmp_path / "store.log")
+    job = job_file(tmp_path, port)
+    job.write_text(job.read_text().replace("conf: {last_call_timeout: 3}",
+                                           "conf: {last_call_timeout: 3, is_host: false}"))
+    a = b = None
+    try:
+        wait_for(lambda: "listening" in store_proc.output(), 60, "the store")
+        a, b = Node(tmp_path, job, "a"), Node(tmp_path, job, "b")
+        wait_for(lambda: training_together(a, b, 20), 120, "both nodes training together")
+        assert not a.hosts_store(port) and not b.hosts_store(port)
+        b.kill()
+        assert a.proc.wait(FINISH_TIMEOUT) == 0, a.proc.output()[-3000:]
+        assert store_proc.poll() is None, "the store must outlive the nodes"
+    finally:
+        for n in (a, b):
+            if n is not None:
+                n.proc.kill_all()
+        store_proc.kill_all()
+    logs = sorted((tmp_path / "run" / "nodes" / "a" / "logs").glob("attempt_*/torchrun.log"))
+    assert len(logs) >= 2
+    assert a.state()["state"] == "succeeded"
+    assert sorted(p.name for p in (tmp_path / "run" / "rdzv").iterdir())[:2] == ["gen_0", "gen_1"]
+    assert consumed_ids(tmp_path / "samples") == collections.Counter(range(STEPS * BATCH))

@@ -1,0 +1,38 @@
+"""`resilient rdzv-store`: a c10d rendezvous store that is not one of the training nodes.
+
+Run it on a machine that outlives the nodes (a login node, the Slurm batch host) and give the job
+`rdzv: {endpoint: THAT_HOST:PORT, conf: {is_host: false}}`: every torchrun is then a client, so losing any
+training node loses no store. The supervisors give each formation of the group its own run id
+(supervisor/rdzv.py), since torchrun leaves a rendezvous closed when it exits.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import signal
+import threading
+
+from supervisor import render
+from supervisor.errors import ExitCode, UsageError
+
+
+def main(host: str, port: int) -> int:
+    from torch.distributed import TCPStore  # only this command and `run` need torch
+
+    try:
+        store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=30))
+    except (RuntimeError, OSError) as e:
+        raise UsageError(f"cannot listen on {host}:{port} ({e}); pick another --port.") from None
+    stop = threading.Event()
+    got: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        got.append(signum)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    render.err.print(f"rendezvous store listening on {host}:{store.port} (Ctrl-C to stop)")
+    stop.wait()
+    del store
+    return ExitCode.SIGINT if got and got[0] == signal.SIGINT else ExitCode.OK
