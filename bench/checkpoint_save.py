@@ -193,6 +193,7 @@ def worker(args: argparse.Namespace) -> None:
         drop(step_dir(state.step))
 
     def plain_dcp(r: dict[str, float], i: int) -> None:
+        before = serialization_config.save.compute_crc32  # the Checkpointer turned it off: put that back
         for crc32 in (True, False):  # torch.save's zip CRC32 is a full pass over the data
             path = root / f"dcp_only_{i}"
             writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1,
@@ -203,7 +204,7 @@ def worker(args: argparse.Namespace) -> None:
                 r["dcp_only_s" if crc32 else "dcp_no_crc32_s"] = timed(
                     lambda: dcp.save(sd_fn(), storage_writer=writer, process_group=group))  # noqa: B023
             finally:
-                serialization_config.save.compute_crc32 = True
+                serialization_config.save.compute_crc32 = before
             drop(path)
 
     def raw(r: dict[str, float], i: int) -> None:

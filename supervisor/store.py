@@ -78,6 +78,11 @@ def partial_dirname(step: int) -> str:
 # Checksums
 
 
+def hasher(algorithm: str = CHECKSUM_ALGORITHM) -> Any:
+    """A streaming hasher (`update`, `hexdigest`) for the manifest's algorithm."""
+    return _hasher(algorithm)
+
+
 def _hasher(algorithm: str) -> Any:
     if algorithm == "xxh3_128":
         import xxhash
@@ -207,11 +212,15 @@ def writer_versions() -> dict[str, str]:
 # Writing
 
 
-def describe_files(folder: str | os.PathLike, names: Iterable[str],
-                   algorithm: str = CHECKSUM_ALGORITHM) -> list[FileRecord]:
-    """Size and checksum of `names` in `folder`: what each rank reports for the files it wrote."""
+def describe_files(folder: str | os.PathLike, names: Iterable[str], algorithm: str = CHECKSUM_ALGORITHM,
+                   known: dict[str, str] | None = None) -> list[FileRecord]:
+    """Size and checksum of `names` in `folder`: what each rank reports for the files it wrote.
+
+    `known` holds digests computed while the files were written (same algorithm); the others are read back.
+    """
     folder = Path(folder)
-    return [FileRecord(n, (folder / n).stat().st_size, checksum_file(folder / n, algorithm))
+    known = known or {}
+    return [FileRecord(n, (folder / n).stat().st_size, known.get(n) or checksum_file(folder / n, algorithm))
             for n in sorted(names)]
 
 

@@ -9,10 +9,12 @@ flight, so host memory holds at most one extra copy of this rank's shard of the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from supervisor import store
 from supervisor.protocol import CommitRecord
@@ -58,11 +61,55 @@ class SavePause:
             time.sleep(self.seconds)
 
 
+class _HashingStream:
+    """A file being written, checksummed on the way: no second pass over the data to describe it."""
+
+    def __init__(self, f: Any):
+        self._f = f
+        self._h = store.hasher()
+        self.sequential = True
+
+    def write(self, b: Any) -> int:
+        n = self._f.write(b)
+        self._h.update(b)
+        return n
+
+    def seek(self, *args: Any) -> int:
+        self.sequential = False  # a rewrite would break the running digest: read it back instead
+        return self._f.seek(*args)
+
+    def hexdigest(self) -> str | None:
+        return self._h.hexdigest() if self.sequential else None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+class _HashingFileSystem(FileSystem):
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hs = _HashingStream(stream)
+            yield hs
+            digest = hs.hexdigest()
+            if digest is not None:
+                self.digests[Path(path).name.removesuffix(".tmp")] = digest  # DCP renames .metadata.tmp
+
+
 class _Writer(FileSystemWriter):
-    """FileSystemWriter that fsyncs every file and can pause after its data (before DCP's .metadata)."""
+    """FileSystemWriter that fsyncs every file, checksums what it writes, and can pause after its data
+    (before DCP's .metadata)."""
 
     def __init__(self, path: Path, step: int, pause: SavePause | None):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        self.fs = _HashingFileSystem()
         self._step, self._pause = step, pause
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -153,12 +200,13 @@ class Checkpointer:
         path = store.partial_path(self.root, step)
         try:
             dist.barrier(group=group)  # the folder exists before anyone writes into it
-            metadata = dcp.save(sd, storage_writer=_Writer(path, step, self.pause), process_group=group)
+            writer = _Writer(path, step, self.pause)
+            metadata = dcp.save(sd, storage_writer=writer, process_group=group)
             data_files = {s.relative_path for s in metadata.storage_data.values()}
             mine = sorted(f for f in data_files if f.startswith(f"__{ctx.rank}_"))
             if ctx.is_main:
                 mine.append(".metadata")
-            records = store.describe_files(path, mine)
+            records = store.describe_files(path, mine, known=writer.fs.digests)
             gathered: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
             dist.gather_object(records, gathered, dst=0, group=group)
             if partial is not None:
