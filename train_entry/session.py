@@ -44,6 +44,16 @@ DEFAULT_GRACE_S = 25.0  # torchrun's shutdown timeout is 30 s: leave room to exi
 GRACE_MARGIN_S = 2.0
 
 
+def _process_started() -> float:
+    """When this process started (wall clock), from /proc; now if unknown."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # psutil is a dependency, but startup logging must never fail a run
+        return time.time()
+
+
 def _setup_logging(rank: int) -> None:
     if logging.getLogger().handlers:
         return
@@ -65,6 +75,7 @@ class Session:
         self.last_saved_step: int | None = None
         self.resumed_from: int | None = None
         self._last_beat: float | None = None
+        self.startup: dict[str, float] = {}
 
     # ---- start --------------------------------------------------------------------------------------
 
@@ -93,7 +104,9 @@ class Session:
                         control_file=h.control_file if rank == 0 else None,
                         supervisor_pid=h.supervisor_pid, on_orphaned=lambda: stop.set("supervisor gone"))
         beater.start()
+        t_pg = time.monotonic()
         ctx = dist_util.init(h.collective_timeout_s or collective_timeout_s or 600.0, device)
+        pg_s = time.monotonic() - t_pg
         beater.update(world_size=ctx.world_size)
         root = h.ckpt_dir or ckpt_dir or "checkpoints"
         use_async = h.ckpt_async if h.ckpt_async is not None else (True if async_save is None else async_save)
@@ -105,7 +118,9 @@ class Session:
             log.info("rank 0 of %d on %s (%s); checkpoints in %s every %s steps (%s)", ctx.world_size,
                      ctx.device, ctx.backend, root, interval or f"{DEFAULT_INTERVAL} (auto)",
                      "async" if use_async else "sync")
-        return cls(h, ctx, beater, ckpt, stop, interval=interval, seed=seed, grace_s=grace)
+        session = cls(h, ctx, beater, ckpt, stop, interval=interval, seed=seed, grace_s=grace)
+        session.startup = {"process_start_to_session_s": time.time() - _process_started(), "process_group_s": pg_s}
+        return session
 
     @property
     def rank(self) -> int:
@@ -176,6 +191,7 @@ class Session:
         """Load the agreed checkpoint into `state` (resharding if the world size changed); return the step
         to continue from, 0 for a fresh start."""
         self.beater.set_phase("load", now=True)
+        t_resume = time.monotonic()
         step = self._choose_resume_step()
         if step is None:
             seed_rank(self.seed, self.rank, 0, self.device)
@@ -196,6 +212,9 @@ class Session:
                          reshard)
         self.last_saved_step = step
         self.resumed_from = step
+        self.startup["choose_and_load_s"] = time.monotonic() - t_resume
+        if self.ctx.is_main:
+            log.info("startup: %s", ", ".join(f"{k} {v:.2f}" for k, v in self.startup.items()))
         self.beater.update(step=step or 0, resumed_from=step)
         self.beater.set_phase("train", now=True)
         return step or 0
