@@ -17,6 +17,14 @@ STATUS_STYLE = {"valid": "green", "incomplete": "yellow", "corrupt": "red", "suc
                 "pending": "dim"}
 
 
+def emit(result: Any, as_json: bool) -> None:
+    """A command's result: its JSON on stdout, or its own rendering for people."""
+    if as_json:
+        print_json(result.to_json())
+    else:
+        result.render()
+
+
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
     sys.stdout.flush()

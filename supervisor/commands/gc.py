@@ -49,9 +49,5 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool) -> int:
     infos = store.scan(t.checkpoint_root)
     plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=owner_alive(t.run_dir))
     freed = plan.freed_bytes if dry_run else retention.apply(plan)  # dry run: what it would free
-    result = GcResult(plan, dry_run, freed)
-    if as_json:
-        render.print_json(result.to_json())
-    else:
-        result.render()
+    render.emit(GcResult(plan, dry_run, freed), as_json)
     return ExitCode.OK

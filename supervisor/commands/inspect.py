@@ -97,8 +97,5 @@ def collect(target: str | None, step: int | None, verify: bool) -> InspectResult
 
 def main(target: str | None, step: int | None, verify: bool, as_json: bool) -> int:
     result = collect(target, step, verify)
-    if as_json:
-        render.print_json(result.to_json())
-    else:
-        result.render()
+    render.emit(result, as_json)
     return result.exit_code
