@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -349,6 +350,8 @@ class Supervisor:
                                             oom_killed=oom_before is not None and (oom_after or 0) > oom_before)
                 if outcome.reason in (api.COLLECTIVE_TIMEOUT, api.NODE_LOST):
                     outcome.detail += self._silent_ranks(watch, heartbeats, outcome.failed_rank)
+                if outcome.reason == api.CHECKPOINT_FAILED:
+                    outcome.detail += disk_note(self.cfg.checkpoint.dir)
                 return outcome
             if self.stop_signal is not None:
                 return self._stop_attempt(spec, handle, heartbeats)
@@ -524,6 +527,20 @@ class Supervisor:
         self._transition(RunState.FAILED)
         self.console.paragraph(self.record.message)
         return ExitCode.FAILED
+
+
+def disk_note(root: Path) -> str:
+    """A failed save on a (nearly) full filesystem says so: torch's own error may not (a short write in a
+    zip header reads "unexpected pos")."""
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError:
+        return ""
+    newest = max((i.size_bytes for i in store.scan(root) if i.valid), default=0) if root.is_dir() else 0
+    if usage.free < max(newest, 0.02 * usage.total):
+        return (f"; the checkpoint filesystem has {usage.free / 1e6:.1f} MB free of {usage.total / 1e6:.1f} MB "
+                "(free space there, or lower checkpoint.keep)")
+    return ""
 
 
 def current_group(heartbeats: dict[int, Heartbeat], window_s: float = 10.0) -> dict[int, Heartbeat]:

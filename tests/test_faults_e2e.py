@@ -42,8 +42,10 @@ def test_a_full_disk_fails_the_save_never_validates_it_and_stops_as_a_crash_loop
         console = sup.output()
     doc = status(run_dir)
     assert doc["history"][0]["reason"] == "checkpoint_failed", doc["history"][0]
-    assert "No space left on device" in doc["history"][0]["detail"]
-    assert "crash loop" in doc["message"] and "No space left on device" in console
+    # torch's own message depends on where the short write lands ("No space left on device", or "unexpected
+    # pos" from its zip writer); the supervisor says what the filesystem looks like either way.
+    assert "the checkpoint filesystem has" in doc["history"][0]["detail"]
+    assert "crash loop" in doc["message"] and "MB free of" in console
     infos = store.scan(small_disk)
     assert [i.step for i in infos if i.valid] == [20, 40]
     assert all(not i.valid for i in infos if i.step > 40)
@@ -87,7 +89,9 @@ def test_a_long_synchronous_save_is_not_a_hang(tmp_path):
 
 def test_a_straggler_is_reported_not_killed(tmp_path):
     run_dir = tmp_path / "run"
-    argv = run_job(run_dir, steps=150, sleep=0.0, extra_args=("--test-slow-rank", "1:0.1"))
+    # Attribution needs an agreement every step (the default for steps of half a second or more): between
+    # agreements the others wait for the straggler inside FSDP's own collectives, where nobody measures.
+    argv = run_job(run_dir, steps=150, sleep=0.0, extra_args=("--test-slow-rank", "1:0.1", "--sync-every", "1"))
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         def noted() -> dict | None:
             return next((r for r in state(run_dir).get("ranks", []) if r.get("note")), None)

@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--corpus-sequences", type=int, default=4096)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--sync-every", type=int, default=0,
+                   help="steps between the ranks' agreements on stop/loss/interval; 0: about every 0.25 s")
     # Plain-torchrun settings; under `resilient run` the supervisor's handover wins.
     p.add_argument("--ckpt-dir", default="checkpoints")
     p.add_argument("--ckpt-interval", type=int, default=50)
@@ -132,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                             async_save=not args.sync_save, heartbeat_dir=args.heartbeat_dir,
                             heartbeat_interval_s=args.heartbeat_interval_s,
                             collective_timeout_s=args.collective_timeout_s, device=args.device, seed=args.seed,
-                            save_pause=args.test_save_pause if hooks_armed(args) else None)
+                            save_pause=args.test_save_pause if hooks_armed(args) else None,
+                            sync_every=args.sync_every)
     state = build(args, session)
     data = TokenStream(CorpusConfig(vocab_size=args.vocab, seq_len=args.seq_len,
                                     n_sequences=args.corpus_sequences, seed=args.seed + 1234))
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                                                              state.tokens_seen + tokens_per_step)
         hooks.before_beat()
         loss = session.beat(step, loss_sum.item() / max(1, len(ids) * args.seq_len), weight=len(ids))
-        if session.rank == 0 and (step % args.log_every == 0 or step == args.steps):
+        if session.rank == 0 and loss is not None and (step % args.log_every == 0 or step == args.steps):
             rate = (step - step_log) / max(1e-9, time.monotonic() - t_log)
             print(f"step {step}/{args.steps} loss {loss:.4f} lr {scheduler.get_last_lr()[0]:.2e} "
                   f"{rate:.1f} steps/s", flush=True)
