@@ -72,8 +72,8 @@ class RankWatch:
                 continue
             if hb.seq != prev.hb.seq:
                 prev.seq_at = now
-            if hb.step != prev.hb.step:
-                prev.step_at = now
+            if hb.step != prev.hb.step or hb.phase != prev.hb.phase:
+                prev.step_at = now  # leaving a save or a load is progress: its time is not "no progress"
             prev.hb = hb
 
     def hangs(self, now: float) -> list[Hang]:

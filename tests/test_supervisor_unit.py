@@ -195,6 +195,11 @@ def test_hang_rules_with_injected_time():
     for t in range(0, 60):
         w2.observe({0: hb(0, phase="save", seq=t, step=5)}, now=t)
     assert w2.hangs(59.5) == []
+    # Back to training after a 20 s save, with the step not yet moved: not a hang.
+    for t in range(60, 80):
+        w2.observe({0: hb(0, phase="save", seq=t, step=5)}, now=t)
+    w2.observe({0: hb(0, phase="train", seq=81, step=5)}, now=81)
+    assert w2.hangs(82) == []
     w3 = RankWatch(0.0, 10, 30, expected_ranks=1)
     assert [h.kind for h in w3.hangs(31)] == [NO_HEARTBEAT]
     w3.observe({0: hb(0, phase="startup", seq=1)}, now=25)

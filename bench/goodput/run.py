@@ -57,7 +57,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 NVRX_VENV = HERE / ".venv-nvrx"
 NVRX_INSTALL = ["torch==2.13.0", "numpy", "nvidia-resiliency-ext==0.4.1"]
-SYSTEMS = {"a": "resilient, fixed", "b": "resilient, auto", "c": "torchrun + torch.save", "d": "NVRx ft_launcher"}
+SYSTEMS = {"a": "resilient, fixed", "b": "resilient, auto", "c": "torchrun + torch.save", "d": "NVRx ft_launcher",
+           "e": "torchrun + torch.save, gloo defaults"}
 POLL_S = 0.1
 TREE_EVERY_S = 1.0
 FINISH_GRACE_S = 60.0  # after the final step: the launcher's own orderly exit (final save, state)
@@ -66,7 +67,7 @@ MAX_RESTARTS = 1000
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default="a,b,c,d", help="comma-separated, from a,b,c,d")
+    p.add_argument("--systems", default="a,b,c,d,e", help="comma-separated, from a,b,c,d,e")
     p.add_argument("--steps", type=int, default=0,
                    help="training steps per run; 0: as many as --train-s of undisturbed training")
     p.add_argument("--train-s", type=float, default=180.0,
@@ -150,12 +151,15 @@ def baseline_args(args: argparse.Namespace, run_dir: Path, steps: int, every: in
     return out + (["--sleep-per-step", str(args.step_sleep)] if args.step_sleep else [])
 
 
-def torchrun_launch(args: argparse.Namespace, run_dir: Path, steps: int, every: int) -> Launch:
+def torchrun_launch(args: argparse.Namespace, run_dir: Path, steps: int, every: int,
+                    pg_timeout: float | None = None) -> Launch:
+    """(c) gets the same hang budget as the others through its process-group timeout; (e) keeps the
+    tutorial's (gloo's 30-minute default, under which a stopped rank is never noticed)."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", str(MAX_RESTARTS if every else 0)]
     # Stale keys in torchrun's shared rendezvous store hung in-place restarts (FACTS.md, pytorch#135712).
-    return Launch(argv + baseline_args(args, run_dir, steps, every, args.hang_timeout), "steps.jsonl",
-                  "baseline_train.py", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    trainer = baseline_args(args, run_dir, steps, every, args.hang_timeout if pg_timeout is None else pg_timeout)
+    return Launch(argv + trainer, "steps.jsonl", "baseline_train.py", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
 def nvrx_launch(args: argparse.Namespace, run_dir: Path, steps: int) -> Launch:
@@ -180,6 +184,8 @@ def phase_launch(phase: str, args: argparse.Namespace, run_dir: Path) -> Launch:
         return resilient_launch(args, run_dir, args.steps, "auto", args.mtbf if args.auto_mtbf_prior else None)
     if phase == "c":
         return torchrun_launch(args, run_dir, args.steps, every=args.interval)
+    if phase == "e":
+        return torchrun_launch(args, run_dir, args.steps, every=args.interval, pg_timeout=1800.0)
     return nvrx_launch(args, run_dir, args.steps)
 
 
