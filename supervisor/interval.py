@@ -10,7 +10,8 @@ and the waste at T* is about C/T* + (T*/2 + R)/F. Here:
   that ran while the save persisted in the background (on a busy host those steps are slower);
 - F is the mean time between failures: with a prior (`checkpoint.expected_mtbf_s`), (prior + supervised
   wall time) / (1 + failures), the prior counting as one pseudo-interval; without one, supervised wall time /
-  failures once a failure was seen, and one hour before (a weak default must not outweigh what is observed);
+  (1 + failures), as if a failure were due now: short intervals while nothing is known (cheap with async
+  saves), growing as the run stays healthy;
 - R is the measured restart cost (failure → first step of the next attempt), 0 until one is seen.
 T* becomes steps through the median step time, bounded by `min_interval_steps`/`max_interval_steps`, and
 never below the steps a background save needs to finish (so saves never queue behind each other).
@@ -23,7 +24,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-DEFAULT_MTBF_S = 3600.0
+MIN_OBSERVED_S = 10.0
 COLD_START_STEPS = 50  # until a save and some steps have been measured
 
 
@@ -47,9 +48,7 @@ def expected_waste(interval_s: float, save_cost_s: float, mtbf_s: float, restart
 def mtbf_estimate(prior_s: float | None, observed_s: float, failures: int) -> float:
     if prior_s is not None:
         return (prior_s + observed_s) / (1 + failures)
-    if failures:
-        return max(observed_s, 1.0) / failures
-    return max(DEFAULT_MTBF_S, observed_s)
+    return max(observed_s, MIN_OBSERVED_S) / (1 + failures)
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ def test_mtbf_estimate_moves_from_the_prior_with_failures():
     assert mtbf_estimate(600.0, 0.0, 0) == 600.0
     assert mtbf_estimate(600.0, 1800.0, 3) == pytest.approx(600.0)
     assert mtbf_estimate(600.0, 5400.0, 0) == pytest.approx(6000.0)
-    # Without a prior: an hour until a failure is seen, then what is observed (not an hour's pseudo-interval).
-    assert mtbf_estimate(None, 0.0, 0) == 3600.0
+    # Without a prior: the failure-free time seen so far, as if a failure were due now.
+    assert mtbf_estimate(None, 0.0, 0) == 10.0
     assert mtbf_estimate(None, 7200.0, 0) == 7200.0
-    assert mtbf_estimate(None, 120.0, 2) == pytest.approx(60.0)
+    assert mtbf_estimate(None, 120.0, 2) == pytest.approx(40.0)
 
 
 def feed(tuner: IntervalTuner, steps: range, dt: float, t0: float = 0.0) -> float:
