@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 from supervisor import store
 from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED
-from tests.proc import Proc, heartbeat, started, torchrun, wait_for
+from tests.proc import Proc, heartbeat, started, step_of, torchrun, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -63,10 +64,15 @@ def run_to_end(cwd: Path, nproc: int, args: list[str], name: str) -> str:
         return out
 
 
-def sample_log(folder: Path) -> list[dict]:
+def sample_log(folder: Path, skip: set[Path] = frozenset()) -> list[dict]:
+    """Every complete row the ranks logged, leaving out the files in `skip` (one file per process)."""
     rows = []
-    for f in sorted(folder.glob("*.jsonl")):
-        rows += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    for f in sorted(set(folder.glob("*.jsonl")) - skip):
+        for line in f.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a line being written right now
+                pass
     return rows
 
 
@@ -89,9 +95,15 @@ def test_sigkill_between_saves_and_plain_relaunch_is_bitwise_exact(tmp_path):
         victim = rng.choice([0, 1])
         args = [*common, "--heartbeat-dir", "hb", "--heartbeat-interval-s", "0.2",
                 "--test-sleep-per-step", "0.05", "--test-log-samples", "samples"]
+        # The previous attempt's heartbeats (and its sample rows past the checkpoint) must not count as
+        # this attempt's progress: its dead PIDs would be "killed" again.
+        shutil.rmtree(killed / "hb", ignore_errors=True)
+        earlier = set((killed / "samples").glob("*.jsonl"))  # one file per process
         with started(torchrun(2, args), killed, log=killed / f"attempt{attempt}.log") as p:
-            def reached(target: int = target, p: Proc = p) -> bool:
-                return max_step(killed / "samples") >= target or p.poll() is not None
+            def reached(target: int = target, victim: int = victim, p: Proc = p, earlier: set = earlier) -> bool:
+                steps = [r["step"] for r in sample_log(killed / "samples", skip=earlier)]
+                ran = max(steps, default=0) >= target and step_of(killed / "hb", victim) >= 0
+                return ran or p.poll() is not None
 
             wait_for(reached, 90, f"step {target}")
             assert p.poll() is None, p.output()[-2000:]
