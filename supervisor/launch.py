@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from supervisor import prewarm
 from supervisor.api import AttemptSpec
 from supervisor.config import JobConfig
 from supervisor.protocol import Handover
@@ -31,7 +32,7 @@ log = logging.getLogger("resilient")
 
 
 def torchrun_argv(cfg: JobConfig, spec: AttemptSpec, *, python: str = sys.executable,
-                  max_restarts: int = 0) -> list[str]:
+                  max_restarts: int = 0, prewarmed: bool = False) -> list[str]:
     """The exact torchrun command line for one attempt.
 
     Args:
@@ -40,6 +41,7 @@ def torchrun_argv(cfg: JobConfig, spec: AttemptSpec, *, python: str = sys.execut
         python: the interpreter that runs torchrun and the workers.
         max_restarts: torchrun's own restarts. 0 where the supervisor owns restarts; elastic jobs pass more,
             because only torchrun can re-form the group in place when a node leaves or joins.
+        prewarmed: start each worker through the prewarm client (`supervisor.prewarm`).
     """
     argv = [python, "-m", "torch.distributed.run",
             "--nnodes", cfg.nnodes, "--nproc-per-node", cfg.nproc_per_node]
@@ -53,11 +55,9 @@ def torchrun_argv(cfg: JobConfig, spec: AttemptSpec, *, python: str = sys.execut
     argv += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
              "--shutdown-timeout", str(int(cfg.stop_timeout_s)),
              "--log-dir", str(spec.logs_dir / "ranks"), "--redirects", "3"]
-    if cfg.entrypoint.module:
-        argv += ["-m", cfg.entrypoint.module]
-    else:
-        argv += [str(cfg.entrypoint.script)]
-    return argv + list(cfg.entrypoint.args)
+    entry = ["-m", cfg.entrypoint.module] if cfg.entrypoint.module else [str(cfg.entrypoint.script)]
+    entry += list(cfg.entrypoint.args)
+    return argv + (prewarm.client_argv(entry) if prewarmed else entry)
 
 
 def worker_env(cfg: JobConfig, handover: Handover, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -185,29 +185,47 @@ class TorchrunProcess:
 
 
 class TorchrunLauncher:
-    """Launches each attempt's torchrun, from a zygote started ahead of need when there is one."""
+    """Launches each attempt's torchrun, from a zygote started ahead of need when there is one, with workers
+    forked from the prewarm server once it is ready."""
 
     def __init__(self) -> None:
         self._zygote: Zygote | None = None
+        self._prewarm: prewarm.PrewarmServer | None = None
+        self._worker_env: dict[str, str] | None = None
         self.spare()
 
     def spare(self) -> None:
-        """Start the next zygote. The supervisor calls this once an attempt trains: started at launch, its
-        import would compete with the new workers' own imports for the CPU."""
+        """Start the next zygote, and the prewarm server if it is not running. The supervisor calls this once
+        an attempt trains: started at launch, their imports would compete with the new workers' own imports
+        for the CPU."""
         if zygote_enabled() and self._zygote is None:
             self._zygote = Zygote(preexec_fn=_die_with_parent)
+        if prewarm.enabled() and self._worker_env is not None and (self._prewarm is None or
+                                                                  not self._prewarm.alive()):
+            if self._prewarm is not None:
+                self._prewarm.close()
+            self._prewarm = prewarm.PrewarmServer(self._worker_env, preexec_fn=_die_with_parent)
 
     def __call__(self, cfg: JobConfig, spec: AttemptSpec, handover: Handover) -> TorchrunProcess:
         z, self._zygote = self._zygote, None
         if z is not None and not z.alive():
             z = None
-        return TorchrunProcess(torchrun_argv(cfg, spec), worker_env(cfg, handover), spec.logs_dir / "torchrun.log",
+        env = worker_env(cfg, handover)
+        if self._worker_env is None:  # the server imports torch under the environment the workers get
+            self._worker_env = {k: v for k, v in env.items() if k not in handover.to_env()}
+        prewarmed = self._prewarm is not None and self._prewarm.ready()
+        if prewarmed:
+            env[prewarm.ENV_SOCKET] = self._prewarm.socket
+        return TorchrunProcess(torchrun_argv(cfg, spec, prewarmed=prewarmed), env, spec.logs_dir / "torchrun.log",
                                zygote=z)
 
     def close(self) -> None:
         if self._zygote is not None:
             self._zygote.discard()
             self._zygote = None
+        if self._prewarm is not None:
+            self._prewarm.close()
+            self._prewarm = None
 
 
 def root_create_time(proc: TorchrunProcess) -> float:

@@ -284,6 +284,9 @@ def test_multinode_argv_uses_the_rendezvous(tmp_path):
                          "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400", "--rdzv-id", "mn",
                          "--rdzv-conf", "last_call_timeout=5", "--max-restarts"]
     assert argv[16] == "7" and argv[-1] == str(tmp_path / "t.py")
+    # Prewarmed workers: torchrun starts the client, which takes the entry point and its args as they were.
+    warm = torchrun_argv(cfg, spec, python="py", max_restarts=7, prewarmed=True)
+    assert warm[:-3] == argv[:-1] and warm[-3:] == ["-m", "supervisor.prewarm_client", str(tmp_path / "t.py")]
 
 
 def test_failing_attempts_spend_the_budget_and_exit_1(tmp_path, cli, monkeypatch):

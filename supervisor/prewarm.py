@@ -1,0 +1,255 @@
+"""Prewarmed workers: a fork server that has imported torch, so a relaunched rank does not wait for it.
+
+A new worker spends most of its start importing torch (1.5 s of the ~2.7 s from spawn to first step on
+these 2-core machines), and torchrun's in-place restart pays that as much as we do. So the supervisor keeps
+one server per node: a child (its own session, parent-death signal) that imports torch and its distributed
+packages once, with the job's worker environment, and then waits on an abstract Unix socket that serves
+only our own uid.
+
+torchrun starts `python -m supervisor.prewarm_client ENTRY...` instead of `ENTRY...`. The client hands the
+server its argv, environment, working folder and stdin/stdout/stderr; the server forks; the fork takes on
+all of that, reseeds what a fresh process would have seeded differently, and runs the entry point with
+`runpy` as `__main__`. The fork reports its own pid to the client (so nobody ever holds a forked rank
+without knowing it), the server reports its exit status, and the client exits the same way. The fork ends
+itself if the client dies (its socket closes), so torchrun's kill of a worker still ends the rank.
+
+Forking a process that has imported torch but never started a parallel region or touched CUDA is what
+DataLoader workers do; the server never does either. `RESILIENT_PREWARM=0` turns this off. The first
+attempt starts its workers normally while the server is importing (they would not wait for it anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import random
+import runpy
+import secrets
+import select
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from typing import NoReturn
+
+from supervisor.prewarm_client import ENV_SOCKET  # noqa: F401 (the launcher sets it)
+
+ENV_SWITCH = "RESILIENT_PREWARM"
+CLIENT_MODULE = "supervisor.prewarm_client"
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+           "torch.distributed.elastic.multiprocessing.errors", "numpy")
+# Read once when torch (or Python) starts, so a fork would keep the server's value: if the worker's differ,
+# the server refuses and the worker starts normally. OMP_NUM_THREADS is the exception: torchrun sets it per
+# worker and the fork applies it with torch.set_num_threads.
+IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MKL_", "KMP_", "GOMP_", "TORCH_CPP_", "TORCH_SHOW_", "CUDA_")
+NOT_IMPORT_TIME = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES"})
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+class PrewarmServer:
+    """Supervisor side: start the server with the job's worker environment; `socket` goes to the workers."""
+
+    def __init__(self, env: dict[str, str], preexec_fn: object = None):
+        # An abstract socket: nothing on disk to leave behind when the server is killed; only processes of
+        # our own uid are served (SO_PEERCRED), and those could ptrace us anyway.
+        self.socket = f"@resilient-prewarm-{os.getpid()}-{secrets.token_hex(8)}"
+        self._ready = False
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.prewarm", self.socket], env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=preexec_fn)  # type: ignore[arg-type]
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def ready(self) -> bool:
+        """Imported and accepting (it says so on stdout): only then are workers routed through it."""
+        if not self._ready and self.alive():
+            assert self.popen.stdout is not None
+            readable, _, _ = select.select([self.popen.stdout], [], [], 0)
+            self._ready = bool(readable) and self.popen.stdout.readline() == b"ready\n"
+        return self._ready and self.alive()
+
+    def close(self) -> None:
+        """Stop the server; workers it forked live on (their clients own them)."""
+        if self.alive():
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=5)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+
+def address(name: str) -> str:
+    """`@name` (environment variables cannot hold the NUL byte) → the abstract socket address."""
+    return "\0" + name[1:] if name.startswith("@") else name
+
+
+def client_argv(entry: list[str]) -> list[str]:
+    """torchrun's `-m MODULE ARGS` / `SCRIPT ARGS`, routed through the client."""
+    return ["-m", CLIENT_MODULE, *entry]
+
+
+# ---- the server ------------------------------------------------------------------------------------------
+
+def serve(path: str) -> NoReturn:
+    for name in PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    baseline = _import_time_env(os.environ)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address(path))
+    listener.listen(64)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, None)
+    children: dict[int, tuple[int, socket.socket]] = {}  # pidfd → (pid, the client's connection)
+    while True:
+        for key, _ in sel.select():
+            if key.data is None:
+                conn, _addr = listener.accept()
+                with contextlib.suppress(OSError, ValueError):
+                    child = _fork_for(conn, baseline, listener, sel, children)
+                    if child is not None:
+                        fd = os.pidfd_open(child)
+                        children[fd] = (child, conn)
+                        sel.register(fd, selectors.EVENT_READ, "child")
+                        continue
+                conn.close()
+            else:  # a fork ended: tell its client how
+                pid, conn = children.pop(key.fd)
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                _, status = os.waitpid(pid, 0)
+                with contextlib.suppress(OSError):
+                    conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+                conn.close()
+
+
+def _import_time_env(env: dict[str, str] | os._Environ) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in NOT_IMPORT_TIME}
+
+
+def _fork_for(conn: socket.socket, baseline: dict[str, str], listener: socket.socket,
+              sel: selectors.BaseSelector, children: dict) -> int | None:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    if int.from_bytes(creds[4:8], sys.byteorder) != os.getuid():
+        return None
+    first, fds, _flags, _addr = socket.recv_fds(conn, 1, 3)
+    rest = bytearray(first)
+    while not rest.endswith(b"\n"):
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            break
+        rest += chunk
+    try:
+        req = json.loads(rest)
+        differ = sorted(k for k in set(baseline) | set(_import_time_env(req["env"]))
+                        if baseline.get(k) != req["env"].get(k))
+        if differ or len(fds) != 3:
+            why = f"the worker's {', '.join(differ)} differ from the server's" if differ else "no stdio"
+            conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
+            return None
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            sel.close()
+            for fd, (_, other) in children.items():
+                os.close(fd)
+                other.close()
+            _become_worker(conn, req, fds)
+        return pid
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _become_worker(conn: socket.socket, req: dict, fds: list[int]) -> NoReturn:
+    """In the fork: take on the client's process state, then run the entry point as `__main__`."""
+    code = 1
+    try:
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        argv = list(req["argv"])
+        if argv[0] == "-m":
+            module, args = argv[1], argv[2:]
+            sys.argv, path0 = [module, *args], os.getcwd()
+        else:
+            script, args = argv[0], argv[1:]
+            sys.argv, path0 = [script, *args], os.path.dirname(os.path.abspath(script))
+            module = None
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[:1] = [path0, *extra]
+        _reseed()
+        conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
+        threading.Thread(target=_end_with_client, args=(conn,), name="prewarm-client", daemon=True).start()
+        try:
+            if module is not None:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else _print_exit(e.code))
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        threading._shutdown()  # as at interpreter exit: wait for non-daemon threads, then atexit
+        import atexit
+
+        atexit._run_exitfuncs()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _print_exit(message: object) -> int:
+    print(message, file=sys.stderr)
+    return 1
+
+
+def _reseed() -> None:
+    """What a fresh interpreter would have made different per process: the random modules' seeds and
+    torch's intra-op thread count (torchrun sets OMP_NUM_THREADS per worker)."""
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+def _end_with_client(conn: socket.socket) -> None:
+    """The client never writes again: a read returns only when it has died. Then so does this rank."""
+    with contextlib.suppress(OSError):
+        while conn.recv(1 << 10):
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

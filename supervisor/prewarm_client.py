@@ -1,0 +1,93 @@
+"""What torchrun starts as each worker when workers are prewarmed: a stand-in that asks the prewarm server
+(`supervisor.prewarm`) for a fork that has already imported torch, then lives as that worker's proxy.
+
+    python -m supervisor.prewarm_client -m train_entry ARGS...     (or: SCRIPT.py ARGS...)
+
+torchrun sees this process: it forwards torchrun's signals to the worker and leaves with the worker's exit
+status (dying of the same signal if the worker died of one), so torchrun's failure reports stay true. If it
+dies itself, the worker notices its socket close and ends too. With no server (not started yet, gone, or
+refusing), it simply becomes the entry point with `exec`, as if torchrun had started it directly.
+
+Standard library only: this runs once per worker before anything is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+from typing import NoReturn
+
+ENV_SOCKET = "RESILIENT_PREWARM_SOCKET"
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR2)
+
+
+def main(argv: list[str]) -> NoReturn:
+    path = os.environ.pop(ENV_SOCKET, None)
+    if path:
+        try:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect("\0" + path[1:] if path.startswith("@") else path)  # see prewarm.address
+        except OSError as e:  # the server is gone: say so, and start the way torchrun would have
+            print(f"resilient: prewarmed start unavailable ({e.strerror or e}); starting normally", file=sys.stderr)
+        else:
+            _proxy(conn, argv)
+    _exec(argv)
+
+
+def _exec(argv: list[str]) -> NoReturn:
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def _proxy(conn: socket.socket, argv: list[str]) -> None:
+    """Hand our argv, environment and stdio to the server; returns only if no worker was forked."""
+    req = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode() + b"\n"
+    try:
+        socket.send_fds(conn, [req[:1]], [0, 1, 2])
+        conn.sendall(req[1:])
+        reader = conn.makefile("rb")
+        first = json.loads(reader.readline() or b"{}")
+    except (OSError, ValueError):
+        first = {}
+    if "pid" not in first:  # refused, or the server died before forking: nobody runs this rank yet
+        if first.get("refused"):
+            print(f"resilient: prewarmed start refused ({first['refused']}); starting normally", file=sys.stderr)
+        conn.close()
+        return
+    pid = int(first["pid"])
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
+    try:
+        last = json.loads(reader.readline() or b"{}")
+    except (OSError, ValueError):
+        last = {}
+    _leave_like(last.get("status"))
+
+
+def _forward(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _leave_like(status: int | None) -> NoReturn:
+    """Exit the way the worker did: the same code, or death by the same signal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if status is None:  # the server is gone: the worker has ended, how is unknown
+        os._exit(1)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)  # a signal we cannot die of
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,125 @@
+"""The prewarm server and client as real processes: a forked worker is indistinguishable, to torchrun, from
+one it started itself (argv, environment, stdio, exit codes, signals both ways), and never outlives its
+client."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from supervisor import prewarm
+from tests.proc import child_env, started, wait_for
+
+WORKER = textwrap.dedent("""\
+    import json, os, signal, sys, time
+    preloaded = "torch" in sys.modules  # before this script imports anything
+    def on_term(signum, frame):
+        print("got SIGTERM", flush=True)
+        sys.exit(5)
+    signal.signal(signal.SIGTERM, on_term)
+    print(json.dumps({"pid": os.getpid(), "preloaded": preloaded, "argv": sys.argv, "cwd": os.getcwd(),
+                      "color": os.environ.get("COLOR"), "stdin": sys.stdin.readline().strip(),
+                      "path0": sys.path[0]}), flush=True)
+    mode = sys.argv[1]
+    if mode == "exit":
+        sys.exit(int(sys.argv[2]))
+    if mode == "raise":
+        raise RuntimeError("boom from the worker")
+    time.sleep(120)
+""")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = prewarm.PrewarmServer(child_env())
+    try:
+        wait_for(srv.ready, 60, "the prewarm server to import torch")
+        yield srv
+    finally:
+        srv.close()
+    assert not srv.alive()
+
+
+def client(tmp_path: Path, server: prewarm.PrewarmServer | None, *args: str, **env: str) -> list[str]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    return [sys.executable, "-m", prewarm.CLIENT_MODULE, str(script), *args]
+
+
+def client_env(server: prewarm.PrewarmServer | None, **extra: str) -> dict[str, str]:
+    env = child_env(COLOR="teal", **extra)
+    if server is not None:
+        env[prewarm.ENV_SOCKET] = server.socket
+    return env
+
+
+def report(output: str) -> dict:
+    return json.loads(next(line for line in output.splitlines() if line.startswith("{")))
+
+
+def run_client(tmp_path: Path, server, *args: str, **extra: str) -> tuple[int, str]:
+    import subprocess
+
+    out = subprocess.run(client(tmp_path, server, *args), input="hello\n", capture_output=True, text=True,
+                         cwd=tmp_path, env=client_env(server, **extra), timeout=60)
+    return out.returncode, out.stdout + out.stderr
+
+
+def test_a_forked_worker_gets_argv_env_cwd_stdio_and_exit_code(tmp_path, server):
+    rc, out = run_client(tmp_path, server, "exit", "7")
+    doc = report(out)
+    assert rc == 7, out
+    assert doc["preloaded"] is True, "the worker was not forked from the prewarmed server"
+    assert doc["argv"] == [str(tmp_path / "worker.py"), "exit", "7"]
+    assert doc["cwd"] == str(tmp_path) and doc["color"] == "teal" and doc["stdin"] == "hello"
+    assert doc["path0"] == str(tmp_path), "a script's folder comes first on sys.path, as with `python script`"
+
+
+def test_an_uncaught_exception_is_a_traceback_and_exit_1(tmp_path, server):
+    rc, out = run_client(tmp_path, server, "raise")
+    assert rc == 1 and "RuntimeError: boom from the worker" in out and report(out)["preloaded"] is True
+
+
+def test_without_a_server_or_when_refused_the_client_starts_the_entry_itself(tmp_path, server):
+    rc, out = run_client(tmp_path, None, "exit", "3")
+    assert rc == 3 and report(out)["preloaded"] is False
+    # A variable read when Python starts differs from the server's: a fork would not honour it.
+    rc, out = run_client(tmp_path, server, "exit", "4", PYTHONHASHSEED="123")
+    assert rc == 4 and report(out)["preloaded"] is False
+    assert "prewarmed start refused (the worker's PYTHONHASHSEED differ" in out
+
+
+def test_signals_pass_both_ways_and_the_worker_never_outlives_its_client(tmp_path, server):
+    def forked_worker(p) -> psutil.Process:
+        pid = wait_for(lambda: "{" in p.output() and report(p.output())["pid"], 30, "the worker to start")
+        return psutil.Process(pid)
+
+    # SIGTERM to the client (what torchrun sends) reaches the worker, and its exit code comes back.
+    with started(client(tmp_path, server, "sleep"), tmp_path, env=client_env(server)) as p:
+        worker = forked_worker(p)
+        assert worker.pid != p.pid and worker.ppid() == server.popen.pid
+        p.signal(signal.SIGTERM)
+        assert p.wait(30) == 5 and "got SIGTERM" in p.output()
+    # The worker SIGKILLed (a lost rank): the client dies of SIGKILL too, as torchrun expects of a worker.
+    with started(client(tmp_path, server, "sleep"), tmp_path, env=client_env(server)) as p:
+        worker = forked_worker(p)
+        worker.kill()
+        assert p.wait(30) == -signal.SIGKILL
+    # The client SIGKILLed (torchrun's last resort): the worker ends too.
+    with started(client(tmp_path, server, "sleep"), tmp_path, env=client_env(server)) as p:
+        worker = forked_worker(p)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(30)
+        _, alive = psutil.wait_procs([worker], timeout=30)
+        with contextlib.suppress(psutil.Error):
+            for w in alive:
+                w.kill()
+        assert alive == [], "a forked worker outlived its client"
