@@ -9,7 +9,7 @@ per-step sample log so both systems are measured by the same clock:
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which FACTS.md saw restarts hang);
 - hang: SIGSTOP of a rank → detected (resilient: its console's "hang" line) and → first step after it;
   torchrun with its defaults (no hang detection; gloo's 30-minute timeout) is given `--hang-cap` seconds;
-- the supervisor's own CPU and memory while it watches a healthy run.
+- the supervisor's own CPU and memory while it watches a healthy run, and its idle helpers' memory.
 Writes bench/results/recovery.json and prints markdown tables.
 """
 
@@ -187,9 +187,24 @@ def supervisor_cost(seconds: float) -> dict[str, float]:
                 rss.append(sup.memory_info().rss)
                 time.sleep(0.5)
             cpu = (sum(sup.cpu_times()[:2]) - c0) / (time.monotonic() - t0)
-            return {"cpu_percent": round(100 * cpu, 2), "rss_mb": round(max(rss) / 1e6, 1), "seconds": seconds}
+            return {"cpu_percent": round(100 * cpu, 2), "rss_mb": round(max(rss) / 1e6, 1), "seconds": seconds,
+                    "helpers": helpers(sup)}
         finally:
             g.close()
+
+
+def helpers(sup: psutil.Process) -> dict[str, dict[str, float]]:
+    """The idle processes the supervisor keeps for the next relaunch (a torchrun zygote, the prewarm server):
+    resident and unique (not shared with any other process) memory."""
+    out = {}
+    for child in sup.children():
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(child.cmdline())
+            for name in ("zygote", "prewarm"):
+                if f"supervisor.{name}" in cmd:
+                    mem = child.memory_full_info()
+                    out[name] = {"rss_mb": round(mem.rss / 1e6, 1), "uss_mb": round(mem.uss / 1e6, 1)}
+    return out
 
 
 def stats(xs: list[float]) -> str:
@@ -204,7 +219,11 @@ def main() -> None:
     p.add_argument("--cost-seconds", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
+    p.add_argument("--cost-only", action="store_true", help="only the supervisor's own cost")
     args = p.parse_args()
+    if args.cost_only:
+        print(json.dumps(supervisor_cost(args.cost_seconds), indent=2))
+        return
     rng = random.Random(args.seed)
     rec: dict[str, list[float]] = {"resilient": [], "torchrun": []}
     for i in range(args.trials):  # interleaved, so a change in machine load hits both
@@ -228,7 +247,8 @@ def main() -> None:
     first = {s: fmt(hang[s]["first_step_s"]) for s in hang}
     print(f"| first step after it | {first['resilient']} | {first['torchrun']} |")
     print(f"\nsupervisor while watching: {cost['cpu_percent']}% of one core, {cost['rss_mb']} MB RSS "
-          f"(over {cost['seconds']:.0f}s)")
+          f"(over {cost['seconds']:.0f}s); idle helpers: " +
+          ", ".join(f"{k} {v['rss_mb']} MB RSS ({v['uss_mb']} MB unique)" for k, v in cost["helpers"].items()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"recovery_s": rec, "ratio_of_medians": ratio, "hang": hang, "supervisor": cost,
