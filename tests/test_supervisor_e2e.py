@@ -181,6 +181,32 @@ def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path
     assert doc["history"][0]["reason"] == "supervisor_lost" and doc["history"][-1]["reason"] == "finished"
 
 
+def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
+    """Two SIGKILLs: attempt 3's ranks are forks of the prewarm server, and the final model and optimizer
+    equal those of an uninterrupted run, tensor by tensor."""
+    from tests.test_entry import assert_same_training_state
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    with started(run_job(straight, steps=160), tmp_path, log=tmp_path / "straight.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+
+    def attempt_ranks(attempt: int, min_step: int = 0) -> list[dict]:
+        return live_ranks(killed, min_step) if state(killed).get("attempt") == attempt else []
+
+    with started(run_job(killed, steps=160), tmp_path, log=tmp_path / "killed.log") as sup:
+        for attempt, at_step in ((1, 30), (2, 70)):
+            ranks = wait_for(lambda a=attempt, s=at_step: attempt_ranks(a, s), 90, f"attempt {attempt} training")
+            os.kill(ranks[1]["pid"], signal.SIGKILL)
+        ranks = wait_for(lambda: attempt_ranks(3), 90, "attempt 3 training")
+        cmdlines = [" ".join(psutil.Process(r["pid"]).cmdline()) for r in ranks]
+        assert all("supervisor.prewarm" in c for c in cmdlines), cmdlines
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    assert [h["reason"] for h in status(killed)["history"]] == ["worker_signal", "worker_signal", "finished"]
+    a, b = store.latest_valid(straight / "checkpoints"), store.latest_valid(killed / "checkpoints")
+    assert a.step == b.step == 160
+    assert_same_training_state(a.path, b.path)
+
+
 def test_an_entry_that_always_dies_at_the_same_step_is_a_crash_loop(tmp_path):
     run_dir = tmp_path / "run"
     argv = run_job(run_dir, "restart.crash_loop_attempts=2", steps=100, sleep=0.0,
