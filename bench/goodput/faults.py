@@ -60,9 +60,13 @@ def schedule_from_json(items: list[dict[str, Any]]) -> list[Fault]:
 class ProcessTree:
     """Every process ever seen under one launched root, so that all of them can be ended at the end."""
 
-    def __init__(self, root_pid: int, worker_marker: str):
+    def __init__(self, root_pid: int, worker_marker: str, heartbeats: Path | None = None):
         self.root_pid = root_pid
         self.marker = worker_marker  # a string in every worker's command line (the trainer's name)
+        # resilient's prewarmed ranks are forks of its prewarm server: their command line and /proc environ are
+        # the server's, so their rank comes from the heartbeats they write (pid, rank); torchrun's child for
+        # such a rank is only a proxy (supervisor.prewarm_client) and is never the one to SIGKILL or SIGSTOP.
+        self.heartbeats = heartbeats
         self.known: dict[int, psutil.Process] = {}
         self._ranks: dict[int, int | None] = {}  # pid → RANK from its environment (None: not a worker)
         self.refresh()
@@ -77,11 +81,25 @@ class ProcessTree:
         if p.pid not in self._ranks:
             rank = None
             with contextlib.suppress(psutil.Error, ValueError):
+                cmd = p.cmdline()
+                if any("supervisor.prewarm" in a for a in cmd):  # a proxy, the server, or a fork of it
+                    return self._heartbeat_rank(p.pid) if "supervisor.prewarm_client" not in cmd else None
                 env = p.environ()
-                if "RANK" in env and "LOCAL_RANK" in env and any(self.marker in a for a in p.cmdline()):
+                if "RANK" in env and "LOCAL_RANK" in env and any(self.marker in a for a in cmd):
                     rank = int(env["RANK"])
             self._ranks[p.pid] = rank
         return self._ranks[p.pid]
+
+    def _heartbeat_rank(self, pid: int) -> int | None:
+        """The rank whose newest heartbeat names `pid` (not cached: it appears once the fork has started)."""
+        if self.heartbeats is None:
+            return None
+        for f in self.heartbeats.glob("attempt_*/rank_*.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                hb = json.loads(f.read_text())
+                if hb["pid"] == pid:
+                    return int(hb["rank"])
+        return None
 
     def workers(self) -> dict[int, psutil.Process]:
         """rank → its newest running (not stopped, not zombie) worker process."""

@@ -299,7 +299,7 @@ def run_phase(phase: str, launch: Launch, run_dir: Path, schedule: list[Fault], 
         t_launch = time.time()
         proc = subprocess.Popen(launch.argv, env=env, cwd=run_dir, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_term_with_parent)
-        tree = ProcessTree(proc.pid, launch.marker)
+        tree = ProcessTree(proc.pid, launch.marker, run_dir / "heartbeats" if launch.resilient else None)
         tree_at = time.monotonic()
         try:
             while True:
