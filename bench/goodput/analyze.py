@@ -10,10 +10,18 @@ Every trainer's rank 0 appends `{"step": N, "t": T}` per completed step (wall cl
     hang      = SIGSTOP → the same
     lost      = step completions − unique steps (work done twice)
 
-Young/Daly, Daly's first-order form: with C the checkpoint's blocking cost per save (median), F the schedule's
-MTBF and R the restart cost (median clean recovery), the optimal interval is T* = sqrt(2·C·F) and the best
-achievable goodput ≈ 1 − (sqrt(2C/F) + R/F) (C/T + T/2F at T*, plus R/F per failure). It leaves out the
-launch → first step startup and the one hang, both of which the measured goodput pays.
+Young/Daly, Daly's first-order form: the optimal interval is T* = sqrt(2·C·F) and the best achievable
+goodput ≈ 1 − (sqrt(2C/F) + R/F) (C/T + T/2F at T*, plus R/F per failure). Two bounds, both from measured
+numbers of the system's own run:
+
+    bound          C the effective cost per save (median: blocking plus the slowdown of the steps that ran
+                   while it persisted), F the run's measured mean time between failures (wall / faults it
+                   met, the hang included), R the mean measured recovery over all of them (the hang's
+                   detection budget included): the best a system with these costs could do
+    bound_nominal  stricter: C the blocking time only, F the schedule's nominal --mtbf, R the median SIGKILL
+                   recovery only (the hang left out)
+
+Both leave out the launch → first step startup, which the measured goodput pays.
 """
 
 from __future__ import annotations
@@ -53,10 +61,13 @@ def ideal_step_s(records: list[dict[str, Any]]) -> float | None:
     return statistics.median(times) if times else None
 
 
-def save_costs(segs: list[list[dict[str, Any]]], final_step: int, base_s: float | None) -> tuple[list, list]:
+def save_costs(segs: list[list[dict[str, Any]]], final_step: int, base_s: float | None,
+               hang_t: float | None = None) -> tuple[list, list]:
     """Per save (the final one excluded: it follows the last step): the blocking seconds, and the effective
     cost, i.e. blocking plus the extra time (over `base_s`) of the steps that ran while it persisted in the
-    background, up to its `commit` line. Synchronous saves (no commit lines) cost their blocking time."""
+    background, up to its `commit` line. Synchronous saves (no commit lines) cost their blocking time. A step
+    whose time spans the hang (`hang_t`) is the hang's, not the save's: a save in flight when a rank was
+    stopped would otherwise be charged the whole hang."""
     blocking, effective = [], []
     if not any("commit" in r for seg in segs for r in seg):
         blocking = [r["blocking_s"] for seg in segs for r in seg if "save" in r and r["save"] != final_step]
@@ -72,7 +83,8 @@ def save_costs(segs: list[list[dict[str, Any]]], final_step: int, base_s: float 
             elif "commit" in r and r["commit"] in in_flight:
                 effective.append(in_flight.pop(r["commit"]))
             elif "step" in r:
-                if last is not None and r["step"] == last["step"] + 1 and base_s is not None:
+                spans_hang = hang_t is not None and last is not None and last["t"] <= hang_t < r["t"]
+                if last is not None and r["step"] == last["step"] + 1 and base_s is not None and not spans_hang:
                     extra = max(0.0, r["t"] - last["t"] - owed - base_s)
                     for k in in_flight:
                         in_flight[k] += extra
@@ -145,7 +157,8 @@ def measure(obs: dict[str, Any], records: list[dict[str, Any]], *, steps: int, i
 
     run_steps = step_times(segs)
     step_s = statistics.median(run_steps) if run_steps else None
-    blocking, effective = save_costs(segs, steps, step_s)
+    hang_t = next((f["t"] for f in faults if f["kind"] == HANG), None)
+    blocking, effective = save_costs(segs, steps, step_s, hang_t)
     c_s = statistics.median(blocking) if blocking else None
     c_eff = statistics.median(effective) if effective else None
     intervals = []
@@ -153,8 +166,13 @@ def measure(obs: dict[str, Any], records: list[dict[str, Any]], *, steps: int, i
         saved = [r["save"] for r in seg if "save" in r]
         intervals += [b - a for a, b in itertools.pairwise(saved)]
     r_s = statistics.median(recoveries) if recoveries else None
-    yd = young_daly(c_s, mtbf_s, r_s)
-    yd_eff = young_daly(c_eff, mtbf_s, r_s)
+    # A hang never recovered from cost at least the time until the run ended (or was capped).
+    hang_s_at_least = t_end - hang_t if hang_s is None and hang_t is not None else hang_s
+    all_recoveries = recoveries + ([hang_s_at_least] if hang_s_at_least is not None else [])
+    r_all = statistics.mean(all_recoveries) if all_recoveries else None
+    f_measured = wall / len(faults) if faults else None
+    yd = young_daly(c_eff, f_measured, r_all) if f_measured else {"t_opt_s": None, "bound": None}
+    yd_nominal = young_daly(c_s, mtbf_s, r_s)
     goodput = unique * ideal_s / wall if wall > 0 else None
     first = next((r["t"] for r in done), None)
     spent = breakdown(segs, obs, t_end, hang_s=hang_s, unique=unique, lost=len(done) - unique, ideal_s=ideal_s,
@@ -179,6 +197,8 @@ def measure(obs: dict[str, Any], records: list[dict[str, Any]], *, steps: int, i
         "recoveries_overlapped": overlapped,
         "mean_recovery_s": _r(statistics.mean(recoveries)) if recoveries else None,
         "restart_cost_s": _r(r_s),
+        "restart_cost_all_s": _r(r_all),
+        "mtbf_measured_s": _r(f_measured, 1),
         "hang_recovery_s": _r(hang_s),
         "saves": len(blocking),
         "save_interval_steps": statistics.median(intervals) if intervals else None,
@@ -190,8 +210,9 @@ def measure(obs: dict[str, Any], records: list[dict[str, Any]], *, steps: int, i
         "t_opt_steps": round(yd["t_opt_s"] / ideal_s) if yd["t_opt_s"] is not None else None,
         "bound": _r(yd["bound"]),
         "goodput_over_bound": _r(goodput / yd["bound"]) if goodput is not None and yd["bound"] else None,
-        "bound_eff": _r(yd_eff["bound"]),
-        "goodput_over_bound_eff": _r(goodput / yd_eff["bound"]) if goodput is not None and yd_eff["bound"] else None,
+        "bound_nominal": _r(yd_nominal["bound"]),
+        "goodput_over_bound_nominal": (_r(goodput / yd_nominal["bound"])
+                                       if goodput is not None and yd_nominal["bound"] else None),
         "wall_breakdown_s": spent,
     }
 
@@ -202,6 +223,8 @@ def _r(x: float | None, nd: int = 3) -> float | None:
 
 COLUMNS = [
     ("system", "system"), ("goodput", "goodput"), ("bound", "Y/D bound"), ("goodput_over_bound", "÷ bound"),
+    ("bound_nominal", "nominal bound"), ("goodput_over_bound_nominal", "÷ nominal"),
+    ("mtbf_measured_s", "F s"), ("restart_cost_all_s", "R s"),
     ("finished", "finished"), ("wall_s", "wall s"), ("unique_steps", "steps"), ("kills_injected", "kills"),
     ("hang_injected", "hang"), ("restarts", "restarts"), ("mean_recovery_s", "mean recovery s"),
     ("hang_recovery_s", "hang → step s"), ("lost_steps", "lost steps"), ("save_interval_steps", "ckpt every"),
@@ -245,8 +268,12 @@ def goals(rows: dict[str, dict[str, Any]]) -> list[str]:
     b = rows.get("b")
     if b and b.get("goodput_over_bound") is not None:
         ok = b["goodput_over_bound"] >= 0.9
-        out.append(f"(b) auto ≥ 0.9 × its Young/Daly bound: {b['goodput_over_bound']:.2f} × — "
+        out.append(f"(b) auto ≥ 0.9 × its Young/Daly bound (measured C, F, R): {b['goodput_over_bound']:.2f} × — "
                    f"{'met' if ok else 'NOT met'}")
+    if b and b.get("goodput_over_bound_nominal") is not None:
+        ok = b["goodput_over_bound_nominal"] >= 0.9
+        out.append(f"(b) auto ≥ 0.9 × the stricter nominal bound (blocking C, F = --mtbf, kills only): "
+                   f"{b['goodput_over_bound_nominal']:.2f} × — {'met' if ok else 'NOT met'}")
     for key, what in (("c", "baseline (c), tuned 10 s pg timeout"), ("e", "baseline (e), as the tutorial is written")):
         base = rows.get(key)
         if b and base and b.get("goodput") and base.get("goodput"):

@@ -437,7 +437,9 @@ def summarize(args: argparse.Namespace, docs: dict[str, dict[str, Any]], schedul
         "ideal_step_s": round(ideal_s, 5) if ideal_s else None,
         "ideal_step_s_train_entry_under_resilient": round(ideal_ft, 5) if ideal_ft else None,
         "formula": "goodput = unique steps × ideal step / (final step − launch); Y/D bound = 1 − (sqrt(2C/F) + R/F), "
-                   "T* = sqrt(2CF); C = median blocking s per save, F = --mtbf, R = median SIGKILL → first new step",
+                   "T* = sqrt(2CF); bound: C = median effective s per save (blocking + slowdown while persisting), "
+                   "F = wall / faults met, R = mean fault → first new step over all faults (the hang included); "
+                   "bound_nominal: C = median blocking s per save, F = --mtbf, R = median SIGKILL → first new step",
         "schedule": schedule_to_json(schedule),
         "systems": rows,
         "goals": analyze.goals(rows),
