@@ -64,3 +64,30 @@ def test_slow_steps_during_a_background_save_count_as_save_cost():
     assert tuner.save_cost_s == pytest.approx(0.01 + 5 * 0.2)
     # A save that takes 1.5 s to persist means at least 15 steps between saves.
     assert tuner.choose(0.0, 0, None).steps >= 15
+
+
+def test_a_moving_interval_counts_from_the_last_save_not_from_multiples():
+    """`auto`: when the supervisor moves the interval from 28 to 31 just after a save at 560, the next save is
+    at 591, not at 589 (the next multiple of 31, a save 29 steps later) nor, worse, 2 steps after the last.
+    A fixed interval keeps the multiples users expect (step_000000050, …)."""
+    from train_entry.session import Session
+
+    def session(moves: bool, interval: int, last: int) -> Session:
+        s = Session.__new__(Session)
+        s.interval, s.interval_moves, s.last_saved_step, s.stop_requested = interval, moves, last, False
+        return s
+
+    def saves(s: Session, steps: range) -> list[int]:
+        out = []
+        for step in steps:
+            if s.should_save(step):
+                out.append(step)
+                s.last_saved_step = step
+        return out
+
+    assert saves(session(True, 31, 560), range(561, 700)) == [591, 622, 653, 684]
+    assert saves(session(False, 31, 560), range(561, 700)) == [589, 620, 651, 682]
+    assert saves(session(True, 50, 4480), range(4481, 4600)) == [4530, 4580]  # from the resume step
+    stopping = session(True, 50, 100)
+    stopping.stop_requested = True
+    assert stopping.should_save(101) and not stopping.should_save(100)  # an agreed stop saves at once

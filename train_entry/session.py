@@ -69,9 +69,12 @@ class Session:
 
     def __init__(self, handover: Handover, ctx: dist_util.DistContext, beater: Beater,
                  checkpointer: Checkpointer, stop: signals.StopRequest, *, interval: int | None,
-                 seed: int, grace_s: float, sync_every: int = 0):
+                 seed: int, grace_s: float, sync_every: int = 0, interval_moves: bool = False):
         self.handover, self.ctx, self.beater, self.ckpt, self.stop = handover, ctx, beater, checkpointer, stop
         self.interval = interval or DEFAULT_INTERVAL
+        # `auto`: the supervisor moves the interval, so it counts from the last save (or the resume step);
+        # multiples of a moving interval would leave gaps of a few steps, each a save for almost nothing.
+        self.interval_moves = interval_moves
         self.seed = seed
         self.grace_s = grace_s
         self.stop_requested = False  # agreed by all ranks, at a step boundary
@@ -129,7 +132,7 @@ class Session:
                      ctx.device, ctx.backend, root, interval or f"{DEFAULT_INTERVAL} (auto)",
                      "async" if use_async else "sync")
         session = cls(h, ctx, beater, ckpt, stop, interval=interval, seed=seed, grace_s=grace,
-                      sync_every=sync_every)
+                      sync_every=sync_every, interval_moves=h.supervised and h.ckpt_interval is None)
         session.startup = {"process_start_to_session_s": time.time() - _process_started(), "process_group_s": pg_s}
         return session
 
@@ -292,10 +295,15 @@ class Session:
         return self._mean
 
     def should_save(self, step: int) -> bool:
-        """At every interval, and at once when a stop was agreed. The same answer on every rank."""
+        """At every interval (multiples of a fixed one; `auto`: that many steps after the last save or the
+        resume), and at once when a stop was agreed. The same answer on every rank."""
         if step == self.last_saved_step:
             return False
-        return self.stop_requested or step % self.interval == 0
+        if self.stop_requested:
+            return True
+        if self.interval_moves:
+            return step - (self.last_saved_step or 0) >= self.interval
+        return step % self.interval == 0
 
     def save(self, step: int, state: TrainState, *, sync: bool | None = None) -> float | None:
         """Checkpoint `state` as `step`. Async unless `sync` or stopping; returns the seconds training was
