@@ -41,12 +41,15 @@ from supervisor.prewarm_client import ENV_SOCKET  # noqa: F401 (the launcher set
 
 ENV_SWITCH = "RESILIENT_PREWARM"
 CLIENT_MODULE = "supervisor.prewarm_client"
+# torch._dynamo: FSDP2's fully_shard reaches DTensor.from_local, which imports it lazily on first use
+# (0.4-0.7 s here, half of a prewarmed rank's start before this was preloaded).
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-           "torch.distributed.elastic.multiprocessing.errors", "numpy")
+           "torch.distributed.elastic.multiprocessing.errors", "numpy", "torch._dynamo")
 # Read once when torch (or Python) starts, so a fork would keep the server's value: if the worker's differ,
 # the server refuses and the worker starts normally. OMP_NUM_THREADS is the exception: torchrun sets it per
 # worker and the fork applies it with torch.set_num_threads.
-IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MKL_", "KMP_", "GOMP_", "TORCH_CPP_", "TORCH_SHOW_", "CUDA_")
+IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MKL_", "KMP_", "GOMP_", "TORCH_CPP_", "TORCH_SHOW_", "CUDA_",
+                        "TORCH_LOGS", "TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE_")
 NOT_IMPORT_TIME = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES"})
 
 
@@ -104,10 +107,10 @@ def client_argv(entry: list[str]) -> list[str]:
 # ---- the server ------------------------------------------------------------------------------------------
 
 def serve(path: str) -> NoReturn:
+    baseline = _import_time_env(os.environ)  # before the imports: torch._dynamo sets TORCHINDUCTOR_CACHE_DIR
     for name in PRELOAD:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
-    baseline = _import_time_env(os.environ)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address(path))
     listener.listen(64)
