@@ -99,19 +99,19 @@ def _first_step_after(segs: list[list[dict[str, Any]]], t: float) -> float | Non
     return min(later) if later else None
 
 
-def young_daly(c_s: float | None, f_s: float, r_s: float | None) -> dict[str, float | None]:
-    if c_s is None or r_s is None:
+def young_daly(c_s: float | None, f_s: float | None, r_s: float | None) -> dict[str, float | None]:
+    if c_s is None or not f_s or r_s is None:
         return {"t_opt_s": None, "bound": None}
     return {"t_opt_s": math.sqrt(2 * c_s * f_s), "bound": 1 - (math.sqrt(2 * c_s / f_s) + r_s / f_s)}
 
 
-def breakdown(segs: list[list[dict[str, Any]]], obs: dict[str, Any], t_end: float, *, hang_s: float | None,
-              unique: int, lost: int, ideal_s: float, step_s: float | None, checkpoint_s: float) -> dict[str, float]:
+def breakdown(segs: list[list[dict[str, Any]]], obs: dict[str, Any], t_end: float, *, hang_t: float | None,
+              hang_s: float | None, unique: int, lost: int, ideal_s: float, step_s: float | None,
+              checkpoint_s: float) -> dict[str, float]:
     """Where the wall time went, in seconds: launch → first step; the hang (SIGSTOP → first new step); no
     training between worker groups otherwise; steps later redone; checkpoints (effective cost); the unique
     steps at the ideal step time; and the rest (steps slower than ideal; after the last step if unfinished)."""
     spans = sorted((s[0]["t"], s[-1]["t"]) for s in ([r for r in seg if "step" in r] for seg in segs) if s)
-    hang_t = next((f["t"] for f in obs["faults"] if f["kind"] == HANG), None)
     window = (hang_t, hang_t + hang_s) if hang_t is not None and hang_s is not None else (0.0, 0.0)
     down = 0.0
     for (_, end), (start, _) in itertools.pairwise(spans):
@@ -171,12 +171,12 @@ def measure(obs: dict[str, Any], records: list[dict[str, Any]], *, steps: int, i
     all_recoveries = recoveries + ([hang_s_at_least] if hang_s_at_least is not None else [])
     r_all = statistics.mean(all_recoveries) if all_recoveries else None
     f_measured = wall / len(faults) if faults else None
-    yd = young_daly(c_eff, f_measured, r_all) if f_measured else {"t_opt_s": None, "bound": None}
+    yd = young_daly(c_eff, f_measured, r_all)
     yd_nominal = young_daly(c_s, mtbf_s, r_s)
     goodput = unique * ideal_s / wall if wall > 0 else None
     first = next((r["t"] for r in done), None)
-    spent = breakdown(segs, obs, t_end, hang_s=hang_s, unique=unique, lost=len(done) - unique, ideal_s=ideal_s,
-                      step_s=step_s, checkpoint_s=sum(effective) if effective else sum(blocking))
+    spent = breakdown(segs, obs, t_end, hang_t=hang_t, hang_s=hang_s, unique=unique, lost=len(done) - unique,
+                      ideal_s=ideal_s, step_s=step_s, checkpoint_s=sum(effective) if effective else sum(blocking))
     return {
         "finished": finished,
         "timed_out": obs.get("timed_out", False),

@@ -82,16 +82,21 @@ class ProcessTree:
             rank = None
             with contextlib.suppress(psutil.Error, ValueError):
                 cmd = p.cmdline()
-                if any("supervisor.prewarm" in a for a in cmd):  # a proxy, the server, or a fork of it
-                    return self._heartbeat_rank(p.pid) if "supervisor.prewarm_client" not in cmd else None
-                env = p.environ()
-                if "RANK" in env and "LOCAL_RANK" in env and any(self.marker in a for a in cmd):
-                    rank = int(env["RANK"])
+                if "supervisor.prewarm_client" in cmd:
+                    pass  # a proxy: never the one to signal
+                elif any("supervisor.prewarm" in a for a in cmd):  # the server, or a fork of it
+                    rank = self._heartbeat_rank(p.pid)
+                    if rank is None:
+                        return None  # the server, or a fork that has not beaten yet: asked again next time
+                else:
+                    env = p.environ()
+                    if "RANK" in env and "LOCAL_RANK" in env and any(self.marker in a for a in cmd):
+                        rank = int(env["RANK"])
             self._ranks[p.pid] = rank
         return self._ranks[p.pid]
 
     def _heartbeat_rank(self, pid: int) -> int | None:
-        """The rank whose newest heartbeat names `pid` (not cached: it appears once the fork has started)."""
+        """The rank whose heartbeat names `pid`; None until the fork has written one."""
         if self.heartbeats is None:
             return None
         for f in self.heartbeats.glob("attempt_*/rank_*.json"):
