@@ -108,6 +108,9 @@ class HeartbeatConfig:
     """A rank silent, or training without progress, this long is hung."""
     startup_timeout_s: float = 600.0
     """Allowance before the first heartbeat (imports, process-group setup, loading the checkpoint)."""
+    stall_factor: float | None = None
+    """If set, a rank in training with no new step for this many times its slowest recent step (at least 3
+    heartbeat intervals, at most `timeout_s`) is hung: hangs are caught in seconds on a job with regular steps."""
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,15 @@ def _int(minimum: int) -> Check:
         if not isinstance(loc.value, int) or isinstance(loc.value, bool) or loc.value < minimum:
             raise _fail(loc, key, f"an integer ≥ {minimum}")
         return loc.value
+
+    return check
+
+
+def _factor(minimum: float) -> Check:
+    def check(loc: _Loc, key: str) -> float:
+        if not _is_number(loc.value) or not minimum <= loc.value < float("inf"):
+            raise _fail(loc, key, f"null or a number ≥ {minimum:g} (a multiple of the slowest recent step)")
+        return float(loc.value)
 
     return check
 
@@ -404,6 +416,7 @@ SCHEMA: dict[str, Any] = {
         "interval_s": _duration(),
         "timeout_s": _duration(),
         "startup_timeout_s": _duration(),
+        "stall_factor": _optional(_factor(2.0)),
     },
     "collective_timeout_s": _duration(),
     "stop_timeout_s": _duration(),

@@ -147,6 +147,7 @@ class Heartbeat:
     first_step_at: float | None = None
     steps_per_s: float | None = None
     own_steps_per_s: float | None = None  # steps/s counting only time not spent waiting at the step-end sync
+    slowest_step_s: float | None = None  # the longest of this rank's last 100 steps (not its first), by its clock
     saving_step: int | None = None  # an async save in flight
     last_save: dict[str, Any] | None = None
     log_dir: str | None = None

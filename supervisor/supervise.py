@@ -44,7 +44,7 @@ from supervisor.protocol import (
 )
 from supervisor.rdzv import Generations, run_id
 from supervisor.state import AttemptRecord, RunRecord, RunState
-from supervisor.watch import RankWatch
+from supervisor.watch import STALL_FLOOR_BEATS, RankWatch
 
 log = logging.getLogger("resilient")
 
@@ -319,7 +319,8 @@ class Supervisor:
     def _watch(self, spec: AttemptSpec, handle: AttemptHandle, rec: AttemptRecord,
                oom_before: int | None) -> AttemptOutcome:
         hb_cfg = self.cfg.heartbeat
-        watch = RankWatch(self.clock(), hb_cfg.timeout_s, hb_cfg.startup_timeout_s)
+        watch = RankWatch(self.clock(), hb_cfg.timeout_s, hb_cfg.startup_timeout_s, stall_factor=hb_cfg.stall_factor,
+                          stall_floor_s=STALL_FLOOR_BEATS * hb_cfg.interval_s)
         steps = StepLogReader(spec.step_log)
         heartbeats: dict[int, Heartbeat] = {}
         next_scan = 0.0
@@ -461,14 +462,15 @@ class Supervisor:
             ranks.append({"rank": rank, "node": hb.node, "pid": hb.pid, "step": hb.step, "phase": hb.phase,
                           "heartbeat_at": hb.time, "heartbeat_age_s": round(ages.get(rank, 0.0), 2),
                           "alive": hb.phase != "exited" and _pid_alive(hb.pid), "steps_per_s": hb.steps_per_s,
-                          "own_steps_per_s": hb.own_steps_per_s, "note": note})
+                          "own_steps_per_s": hb.own_steps_per_s, "hang_limit_s": round(watch.limit_s(rank), 2),
+                          "note": note})
         self.record.ranks = ranks
         if heartbeats:
             self.record.step = max(hb.step for hb in heartbeats.values())
 
     def _silent_ranks(self, watch: RankWatch, heartbeats: dict[int, Heartbeat], failed: int | None) -> str:
         """The rank that timed out is rarely the one that hung: name any rank that had stopped beating."""
-        limit = 3 * self.cfg.heartbeat.interval_s
+        limit = STALL_FLOOR_BEATS * self.cfg.heartbeat.interval_s
         ages = watch.ages(self.clock())
         silent = sorted(((age, r) for r, age in ages.items()
                          if age > limit and r != failed and heartbeats.get(r) and heartbeats[r].phase != "exited"),

@@ -10,6 +10,11 @@ Rules, per rank:
 - phase `startup` or `load` past `startup_timeout_s` since launch: hung;
 - phase `train` without a new step for `timeout_s`: hung (stuck in a collective: its beat thread lives);
 - phase `save` and `load` are not held to progress; `exited` is never hung.
+
+With a `stall_factor` k, a rank in `train` is held to a tighter limit once it has reported its step times:
+k × the slowest of its recent steps, never less than `stall_floor_s` (the supervisor sees a step only when
+a heartbeat is written, once per interval) and never more than `timeout_s`. Silence counts against the
+same limit, so the rank that stopped is still the one named.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ SILENT = "silent"
 NO_PROGRESS = "no_progress"
 NO_HEARTBEAT = "no_heartbeat"
 STARTUP = "startup"
+STALL_FLOOR_BEATS = 3  # a stall limit is never below this many heartbeat intervals
 
 
 @dataclass
@@ -57,6 +63,8 @@ class RankWatch:
     timeout_s: float
     startup_timeout_s: float
     expected_ranks: int | None = None
+    stall_factor: float | None = None
+    stall_floor_s: float = 3.0
     seen: dict[int, RankSeen] = field(default_factory=dict)
     group_started_at: float | None = None  # torchrun re-formed the group in place (a node joined)
 
@@ -76,6 +84,13 @@ class RankWatch:
                 prev.step_at = now  # leaving a save or a load is progress: its time is not "no progress"
             prev.hb = hb
 
+    def limit_s(self, rank: int) -> float:
+        """How long `rank` may go without a beat, or in `train` without a step, before it counts as hung."""
+        s = self.seen.get(rank)
+        if self.stall_factor is None or s is None or s.hb.phase != "train" or not s.hb.slowest_step_s:
+            return self.timeout_s
+        return min(self.timeout_s, max(self.stall_floor_s, self.stall_factor * s.hb.slowest_step_s))
+
     def hangs(self, now: float) -> list[Hang]:
         """Every rank that looks hung at `now`; silent ranks (the likely culprits) first."""
         found: list[Hang] = []
@@ -88,14 +103,17 @@ class RankWatch:
             phase = s.hb.phase
             if phase == "exited":
                 continue
-            silent = now - s.seq_at
-            if silent > self.timeout_s:
+            silent, limit = now - s.seq_at, self.limit_s(rank)
+            if silent > limit:
                 found.append(Hang(rank, SILENT, silent, s.hb.step, phase))
             elif phase in ("startup", "load"):
                 if since_launch > self.startup_timeout_s:
                     found.append(Hang(rank, STARTUP, since_launch, s.hb.step, phase))
-            elif phase == "train" and now - s.step_at > self.timeout_s:
-                found.append(Hang(rank, NO_PROGRESS, now - s.step_at, s.hb.step, phase))
+            elif phase == "train" and now - s.step_at > limit:
+                if silent > self.stall_floor_s:  # stopped beating too: the one the others wait for
+                    found.append(Hang(rank, SILENT, silent, s.hb.step, phase))
+                else:
+                    found.append(Hang(rank, NO_PROGRESS, now - s.step_at, s.hb.step, phase))
         if self.expected_ranks and since_launch > self.startup_timeout_s:
             for rank in range(self.expected_ranks):
                 if rank not in self.seen:

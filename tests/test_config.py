@@ -48,7 +48,7 @@ def test_durations_paths_and_elastic_ranges(tmp_path):
         entrypoint: {script: train.py}
         nnodes: 1:4
         rdzv: {endpoint: "127.0.0.1:29400", conf: {last_call_timeout: 5}}
-        heartbeat: {interval_s: 500ms, timeout_s: 2m, startup_timeout_s: 1h}
+        heartbeat: {interval_s: 500ms, timeout_s: 2m, startup_timeout_s: 1h, stall_factor: 10}
         checkpoint: {interval_steps: auto, dir: /tmp/ck, expected_mtbf_s: 30m}
         collective_timeout_s: 90s
         env: {OMP_NUM_THREADS: 1, DEBUG: true}
@@ -58,7 +58,7 @@ def test_durations_paths_and_elastic_ranges(tmp_path):
     assert job.entrypoint.script == tmp_path / "train.py"
     assert job.run_dir == tmp_path / "out/run"
     hb = job.heartbeat
-    assert hb.interval_s == 0.5 and hb.timeout_s == 120 and hb.startup_timeout_s == 3600
+    assert hb.interval_s == 0.5 and hb.timeout_s == 120 and hb.startup_timeout_s == 3600 and hb.stall_factor == 10
     assert job.checkpoint.auto and job.checkpoint.expected_mtbf_s == 1800 and job.checkpoint.dir == Path("/tmp/ck")
     assert job.collective_timeout_s == 90.0
     assert job.env == {"OMP_NUM_THREADS": "1", "DEBUG": "1"}
@@ -105,6 +105,8 @@ BAD = {
     "bad --set value": (GOOD, "restart.max_restarts=-1", None, ["--set restart.max_restarts=-1", "≥ 0"]),
     "timeout below interval": ("name: x\nentrypoint: {module: m}\nheartbeat:\n  interval_s: 5\n  timeout_s: 2\n",
                                None, 5, ["heartbeat.timeout_s", "must exceed"]),
+    "stall factor below 2": ("name: x\nentrypoint: {module: m}\nheartbeat:\n  stall_factor: 1.5\n", None, 4,
+                             ["heartbeat.stall_factor must be null or a number ≥ 2"]),
     "duplicate key": ("name: x\nname: y\nentrypoint: {module: m}\n", None, 2, ["duplicate key 'name'"]),
     "args not a list": ("name: x\nentrypoint:\n  module: m\n  args: --steps 5\n", None, 4,
                         ["entrypoint.args must be a list"]),

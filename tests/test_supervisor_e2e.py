@@ -86,11 +86,16 @@ def test_sigkill_of_a_random_worker_at_a_random_moment(tmp_path):
     assert store.latest_valid(run_dir / "checkpoints").step == 120
 
 
-def test_sigstop_is_a_hang_detected_within_the_timeout_with_a_stack_dump(tmp_path):
+@pytest.mark.parametrize("timeout_s, stall_factor, detect_within_s", [(6.0, None, 8.0), (60.0, 10, 15.0)],
+                         ids=["fixed-timeout", "stall-factor"])
+def test_sigstop_is_a_hang_detected_within_the_timeout_with_a_stack_dump(tmp_path, timeout_s, stall_factor,
+                                                                         detect_within_s):
+    """With `stall_factor`, the limit comes from the measured step time: seconds, well inside `timeout_s`."""
     run_dir = tmp_path / "run"
-    timeout_s = 6.0
-    argv = run_job(run_dir, f"heartbeat.timeout_s={timeout_s}", "heartbeat.interval_s=0.5", steps=150)
-    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+    sets = [f"heartbeat.timeout_s={timeout_s}", "heartbeat.interval_s=0.5"]
+    if stall_factor is not None:
+        sets.append(f"heartbeat.stall_factor={stall_factor}")
+    with started(run_job(run_dir, *sets, steps=150), tmp_path, log=tmp_path / "sup.log") as sup:
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=25), 90, "training past step 25")
         victim = ranks[1]
         os.kill(victim["pid"], signal.SIGSTOP)
@@ -98,7 +103,12 @@ def test_sigstop_is_a_hang_detected_within_the_timeout_with_a_stack_dump(tmp_pat
         wait_for(lambda: "hang —" in sup.output(), timeout_s + 30, "the hang to be reported")
         detected_in = time.monotonic() - stopped_at
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
-    assert detected_in <= timeout_s + 2.0, f"hang detected after {detected_in:.1f}s"
+    assert detected_in <= detect_within_s, f"hang detected after {detected_in:.1f}s"
+    limits = {r["hang_limit_s"] for r in ranks}
+    if stall_factor is None:
+        assert limits == {timeout_s}
+    else:
+        assert all(1.5 <= v < detect_within_s for v in limits), limits  # floor: 3 beats of 0.5 s
     doc = status(run_dir)
     hang = doc["history"][0]
     assert hang["reason"] == "hang" and hang["failed_rank"] == victim["rank"], hang

@@ -207,6 +207,36 @@ def test_hang_rules_with_injected_time():
     assert [h.kind for h in w3.hangs(31)] == [STARTUP]
 
 
+def test_stall_rule_scales_with_the_slowest_recent_step():
+    # Steps of 0.2 s (slowest 0.4 s), factor 10: a training rank is hung after 4 s without a step, not 60.
+    w = RankWatch(0.0, timeout_s=60, startup_timeout_s=100, stall_factor=10, stall_floor_s=3)
+    for t in range(10, 21):
+        w.observe({r: hb(r, phase="train", seq=t, step=5 * t, slowest_step_s=0.4) for r in (0, 1)}, now=t)
+    assert w.limit_s(0) == 4.0
+    # Rank 1 is SIGSTOPped after its beat at t=20; rank 0 keeps beating, blocked in a collective.
+    for t in range(21, 25):
+        w.observe({0: hb(0, phase="train", seq=t, step=100, slowest_step_s=0.4),
+                   1: hb(1, phase="train", seq=20, step=100, slowest_step_s=0.4)}, now=t)
+    assert w.hangs(23.9) == []
+    hangs = w.hangs(24.1)
+    assert [(h.rank, h.kind) for h in hangs] == [(1, SILENT), (0, NO_PROGRESS)]  # the stopped rank first
+    # The floor: tiny steps still get three heartbeat intervals; the ceiling: slow steps never exceed timeout_s.
+    w.observe({0: hb(0, phase="train", seq=30, step=101, slowest_step_s=0.01)}, now=30)
+    assert w.limit_s(0) == 3.0
+    w.observe({0: hb(0, phase="train", seq=31, step=102, slowest_step_s=20.0)}, now=31)
+    assert w.limit_s(0) == 60
+    # Before a rank has measured a step (fresh start, resume), and outside `train`, the fixed rules apply.
+    w2 = RankWatch(0.0, 60, 100, stall_factor=10, stall_floor_s=3)
+    w2.observe({0: hb(0, phase="train", seq=1, step=1), 1: hb(1, phase="save", seq=1, step=1, slowest_step_s=0.1)},
+               now=1)
+    assert set(w2.seen) == {0, 1} and w2.limit_s(0) == 60 and w2.limit_s(1) == 60
+    assert w2.hangs(30) == [] and [h.rank for h in w2.hangs(61.5)] == [0, 1]
+    # Off (the default): the fixed timeout only.
+    w3 = RankWatch(0.0, 60, 100)
+    w3.observe({0: hb(0, phase="train", seq=1, step=1, slowest_step_s=0.1)}, now=1)
+    assert w3.limit_s(0) == 60 and w3.hangs(30) == []
+
+
 def test_stragglers_compare_own_rates():
     w = RankWatch(0.0, 10, 10)
     w.observe({r: hb(r, phase="train", steps_per_s=5.0, own_steps_per_s=v) for r, v in

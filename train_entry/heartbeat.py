@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from supervisor.protocol import (
 )
 
 log = logging.getLogger("train_entry")
+
+RECENT_STEPS = 100  # the window of step times the supervisor's stall rule scales from
 
 
 class Beater:
@@ -51,6 +54,8 @@ class Beater:
         self._rate_t: float | None = None
         self._rate_step = 0
         self._own_s = 0.0
+        self._step_t: float | None = None
+        self._durations: deque[float] = deque(maxlen=RECENT_STEPS)
 
     # ---- called from the training loop -------------------------------------------------------------
 
@@ -91,6 +96,10 @@ class Beater:
             if hb.first_step_at is None:
                 hb.first_step_at = t
             hb.step, hb.progress_at, hb.phase = step, t, "train" if hb.phase != "save" else hb.phase
+            if self._step_t is not None:  # the first step after (re)start carries warm-up: not a step time
+                self._durations.append(t - self._step_t)
+                hb.slowest_step_s = round(max(self._durations), 4)
+            self._step_t = t
             self._own_s += own_s or 0.0
             if self._rate_t is None:
                 self._rate_t, self._rate_step, self._own_s = t, step, 0.0

@@ -106,13 +106,14 @@ class StatusResult:
             parts.append(Text(rec.message, style="red" if p.effective_state is RunState.FAILED else "yellow"))
         if any(n.record.ranks for n in self.nodes):
             ranks = Table(box=None, pad_edge=False, title="ranks", title_justify="left", title_style="bold")
-            for col in ("NODE", "RANK", "PID", "STEP", "PHASE", "HEARTBEAT", "ALIVE", "STEPS/S", "NOTE"):
+            for col in ("NODE", "RANK", "PID", "STEP", "PHASE", "HEARTBEAT", "HUNG AFTER", "ALIVE", "STEPS/S", "NOTE"):
                 ranks.add_column(col, no_wrap=col != "NOTE")
             for n in self.nodes:
                 for r in n.ranks(self.now):
                     ranks.add_row(str(r.get("node") or n.record.node or "-"), str(r.get("rank")), str(r.get("pid")),
                                   str(r.get("step", "-")), str(r.get("phase", "-")),
                                   render.human_duration(r.get("heartbeat_age_s")) + " ago",
+                                  render.human_duration(r.get("hang_limit_s")),
                                   "yes" if r.get("alive") else "[red]no[/]",
                                   "-" if r.get("steps_per_s") is None else f"{r['steps_per_s']:.1f}",
                                   r.get("note") or "")
