@@ -8,6 +8,9 @@ Systems (2 CPU ranks, gloo, the tiny GPT of jobs/tiny-cpu.yaml, FSDP2 everywhere
     b  resilient, `checkpoint.interval_steps: auto` (Young/Daly from measured save cost and failure rate)
     c  torchrun --max-restarts + the tutorial's torch.save snapshot every --interval steps (baseline_train.py)
     d  NVIDIA nvidia-resiliency-ext 0.4.1 ft_launcher + its rank heartbeats (the same baseline trainer)
+    e  (c) as the tutorial is written: gloo's 30-minute process-group timeout
+    f  (b) with `heartbeat.stall_factor` (--stall-factor): the hang limit follows the measured step time,
+       so it is not held to the shared --hang-timeout budget (which stays its ceiling)
 
 Faults, the same for every system, at offsets from the system's first training step: SIGKILL of a random
 worker rank at exponential inter-failure times (mean --mtbf), and one SIGSTOP of a worker (a hang) at
@@ -17,9 +20,11 @@ ft_launcher's rank heartbeat timeout, the baseline's process-group timeout.
 
 Phases: `ideal` (the bare trainer, no checkpoints: the reference step time, and with --steps 0 the run
 length), `ideal-ft` (train_entry under resilient, no checkpoints: its own step time), then the systems, one
-at a time. Each completed phase leaves <out>/<phase>/result.json; a rerun with the same settings skips those
-(an interrupted benchmark resumes), --redo names phases to run again. Every process a phase started is
-killed when it ends, however it ends. The summary goes to --json (default bench/results/goodput.json).
+at a time, then `ideal-after` (the bare trainer again; the reference is the mean of both, so that drift of the
+machine over the run is not charged to the systems). Each completed phase leaves <out>/<phase>/result.json; a
+rerun with the same settings skips those (an interrupted benchmark resumes), --redo names phases to run
+again. Every process a phase started is killed when it ends, however it ends. The summary goes to --json
+(default bench/results/goodput.json).
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ REPO = HERE.parent.parent
 NVRX_VENV = HERE / ".venv-nvrx"
 NVRX_INSTALL = ["torch==2.13.0", "numpy", "nvidia-resiliency-ext==0.4.1"]
 SYSTEMS = {"a": "resilient, fixed", "b": "resilient, auto", "c": "torchrun + torch.save", "d": "NVRx ft_launcher",
-           "e": "torchrun + torch.save, gloo defaults"}
+           "e": "torchrun + torch.save, gloo defaults", "f": "resilient, auto + stall_factor"}
 POLL_S = 0.1
 TREE_EVERY_S = 1.0
 FINISH_GRACE_S = 60.0  # after the final step: the launcher's own orderly exit (final save, state)
@@ -67,7 +72,7 @@ MAX_RESTARTS = 1000
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default="a,b,c,d,e", help="comma-separated, from a,b,c,d,e")
+    p.add_argument("--systems", default="a,b,c,d,e", help="comma-separated, from a,b,c,d,e,f")
     p.add_argument("--steps", type=int, default=0,
                    help="training steps per run; 0: as many as --train-s of undisturbed training")
     p.add_argument("--train-s", type=float, default=180.0,
@@ -78,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cap-s", type=float, default=360.0, help="wall-clock cap per system run (launch → give up)")
     p.add_argument("--interval", type=int, default=50, help="checkpoint interval in steps for a and c (and d)")
     p.add_argument("--hang-timeout", type=float, default=10.0, help="every system's hang-detection budget, s")
+    p.add_argument("--stall-factor", type=float, default=10.0, help="(f): heartbeat.stall_factor")
     p.add_argument("--hang-at", type=float, default=None,
                    help="seconds after the first step for the SIGSTOP; default: 40%% of the ideal run")
     p.add_argument("--auto-mtbf-prior", action="store_true",
@@ -102,13 +108,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 SETTINGS = ("steps", "train_s", "mtbf", "seed", "cap_s", "interval", "hang_timeout", "hang_at", "auto_mtbf_prior",
             "step_sleep", "ideal_steps")
+SYSTEM_SETTINGS = {"f": ("stall_factor",)}  # settings only one system depends on
 IDEAL_SETTINGS = ("ideal_steps", "step_sleep", "hang_timeout")
 
 
 def settings(args: argparse.Namespace, phase: str | None = None, schedule: list[Fault] | None = None) -> dict:
     """What a phase's result depends on: a completed phase is reused only under the same settings (the
     undisturbed phases do not depend on the fault settings; the systems also depend on the schedule)."""
-    keys = IDEAL_SETTINGS if phase and phase.startswith("ideal") else SETTINGS
+    keys = IDEAL_SETTINGS if phase and phase.startswith("ideal") else SETTINGS + SYSTEM_SETTINGS.get(phase or "", ())
     out: dict[str, Any] = {k: getattr(args, k) for k in keys}
     if schedule is not None:
         out["schedule"] = schedule_to_json(schedule)
@@ -130,7 +137,7 @@ class Launch:
 
 
 def resilient_launch(args: argparse.Namespace, run_dir: Path, steps: int, interval: str,
-                     prior: float | None = None) -> Launch:
+                     prior: float | None = None, stall_factor: float | None = None) -> Launch:
     trainer = ["--steps", str(steps), "--device", "cpu", "--log-every", "100"]
     if args.step_sleep:
         trainer += ["--test-sleep-per-step", str(args.step_sleep)]
@@ -138,6 +145,8 @@ def resilient_launch(args: argparse.Namespace, run_dir: Path, steps: int, interv
             f"checkpoint.interval_steps={interval}", f"heartbeat.timeout_s={args.hang_timeout}"]
     if prior is not None:
         sets.append(f"checkpoint.expected_mtbf_s={prior}")
+    if stall_factor is not None:
+        sets.append(f"heartbeat.stall_factor={stall_factor}")
     argv = [sys.executable, "-m", "supervisor", "run", str(HERE / "job.yaml"), "--run-dir", str(run_dir)]
     for s in sets:
         argv += ["--set", s]
@@ -174,7 +183,7 @@ def nvrx_launch(args: argparse.Namespace, run_dir: Path, steps: int) -> Launch:
 
 
 def phase_launch(phase: str, args: argparse.Namespace, run_dir: Path) -> Launch:
-    if phase == "ideal":
+    if phase in ("ideal", "ideal-after"):
         return torchrun_launch(args, run_dir, args.ideal_steps, every=0)
     if phase == "ideal-ft":
         return resilient_launch(args, run_dir, args.ideal_steps, interval="1000000000")
@@ -182,6 +191,9 @@ def phase_launch(phase: str, args: argparse.Namespace, run_dir: Path) -> Launch:
         return resilient_launch(args, run_dir, args.steps, interval=str(args.interval))
     if phase == "b":
         return resilient_launch(args, run_dir, args.steps, "auto", args.mtbf if args.auto_mtbf_prior else None)
+    if phase == "f":
+        return resilient_launch(args, run_dir, args.steps, "auto", args.mtbf if args.auto_mtbf_prior else None,
+                                stall_factor=args.stall_factor)
     if phase == "c":
         return torchrun_launch(args, run_dir, args.steps, every=args.interval)
     if phase == "e":
@@ -398,7 +410,7 @@ def run_or_reuse(phase: str, args: argparse.Namespace, schedule: list[Fault]) ->
     if ideal and not observed["finished"]:  # a reference that did not run to the end is no reference
         raise SystemExit(f"{phase}: the undisturbed run did not finish: see {phase_dir / 'launcher.log'}")
     (phase_dir / "result.json").write_text(json.dumps(doc, indent=1) + "\n")
-    return doc
+    return {**doc, "ran_now": True}
 
 
 def the_schedule(args: argparse.Namespace, ideal_s: float) -> list[Fault]:
@@ -416,7 +428,9 @@ def the_schedule(args: argparse.Namespace, ideal_s: float) -> list[Fault]:
 
 
 def summarize(args: argparse.Namespace, docs: dict[str, dict[str, Any]], schedule: list[Fault]) -> dict[str, Any]:
-    ideal_s = analyze.ideal_step_s(read_all(args.out / "ideal", "steps.jsonl"))
+    before = analyze.ideal_step_s(read_all(args.out / "ideal", "steps.jsonl"))
+    after = analyze.ideal_step_s(read_all(args.out / "ideal-after", "steps.jsonl")) if "ideal-after" in docs else None
+    ideal_s = (before + after) / 2 if before and after else before  # the machine drifts over half an hour
     ideal_ft = analyze.ideal_step_s(read_all(args.out / "ideal-ft", "steps/attempt_*.jsonl")) \
         if "ideal-ft" in docs else None
     rows: dict[str, dict[str, Any]] = {}
@@ -435,6 +449,7 @@ def summarize(args: argparse.Namespace, docs: dict[str, dict[str, Any]], schedul
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
                     "python": platform.python_version()},
         "ideal_step_s": round(ideal_s, 5) if ideal_s else None,
+        "ideal_step_s_before_after": [round(v, 5) if v else None for v in (before, after)],
         "ideal_step_s_train_entry_under_resilient": round(ideal_ft, 5) if ideal_ft else None,
         "formula": "goodput = unique steps × ideal step / (final step − launch); Y/D bound = 1 − (sqrt(2C/F) + R/F), "
                    "T* = sqrt(2CF); bound: C = median effective s per save (blocking + slowdown while persisting), "
@@ -452,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh and not args.analyze_only:
         shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    phases = ["ideal"] + (["ideal-ft"] if {"a", "b"} & set(args.systems) else [])
+    phases = ["ideal"] + (["ideal-ft"] if {"a", "b", "f"} & set(args.systems) else [])
     docs = {phase: run_or_reuse(phase, args, []) for phase in phases}
     ideal_s = analyze.ideal_step_s(read_all(args.out / "ideal", "steps.jsonl"))
     if ideal_s is None:
@@ -465,13 +480,19 @@ def main(argv: list[str] | None = None) -> int:
           ", ".join(f"{f.kind}@{f.at_s:.0f}s/r{f.rank}" for f in schedule), flush=True)
     for key in args.systems:
         docs[key] = run_or_reuse(key, args, schedule)
+    # The reference again, after the systems: the summary uses the mean of both. A machine that sped up or
+    # slowed down during the half hour would otherwise be charged to (or credited to) every system.
+    if any(docs[key].get("ran_now") for key in args.systems) and not args.analyze_only:
+        args.redo.add("ideal-after")
+    docs["ideal-after"] = run_or_reuse("ideal-after", args, [])
     summary = summarize(args, docs, schedule)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(summary, indent=1) + "\n")
     print()
     if args.label:
         print(f"_{args.label}_\n")
-    print(f"ideal step (bare trainer, median): {summary['ideal_step_s']} s; MTBF {args.mtbf:g} s; "
+    print(f"ideal step (bare trainer, median; mean of before/after {summary['ideal_step_s_before_after']}): "
+          f"{summary['ideal_step_s']} s; MTBF {args.mtbf:g} s; "
           f"{args.steps} steps; cap {args.cap_s:g} s\n")
     ran = {k: v for k, v in summary["systems"].items() if "skipped" not in v}
     print(analyze.table(ran))
