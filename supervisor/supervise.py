@@ -285,9 +285,10 @@ class Supervisor:
             self._retune()
         oom_before = oom_kills()
         handle = self.launcher(self.cfg, spec, self._handover(spec))
+        steps = StepLogReader(spec.step_log)
         outcome: AttemptOutcome | None = None
         try:
-            outcome = self._watch(spec, handle, rec, oom_before)
+            outcome = self._watch(spec, handle, rec, oom_before, steps)
         finally:
             # Ranks asked to stop may still be writing their checkpoint after torchrun is gone.
             stopping = outcome is not None and outcome.reason == api.STOPPED
@@ -295,11 +296,14 @@ class Supervisor:
             if survivors:
                 self.console.event(f"processes survived SIGKILL: {survivors}", style="red")
             handle.close()
+        self._follow_steps(steps.poll(), rec)  # what the ranks logged while they were being stopped
         rec.ended_at = time.time()
         self.accounting.end(rec.ended_at)
-        logged = self.accounting.attempts[-1].last_step  # the step log is exact; heartbeats lag by an interval
-        if logged is not None and (outcome.step is None or logged > outcome.step):
-            outcome.step = logged
+        # The step log is the group's progress: rank 0 appends each step it completed, at once. Heartbeats
+        # lag it by a beat, and can also lead it: a peer may finish step N+1 after rank 0 died inside it.
+        logged = self.accounting.attempts[-1].last_step
+        if logged is not None:
+            outcome.step = self.record.step = logged
         rec.reason, rec.detail, rec.failed_rank = outcome.reason, outcome.detail, outcome.failed_rank
         rec.exit_code, rec.step_at_failure = outcome.exit_code, None if outcome.reason == api.FINISHED else outcome.step
         newest = store.latest_valid(self.cfg.checkpoint.dir)  # authoritative, even if the step log lagged
@@ -317,11 +321,10 @@ class Supervisor:
     # ---- watching one attempt ---------------------------------------------------------------------
 
     def _watch(self, spec: AttemptSpec, handle: AttemptHandle, rec: AttemptRecord,
-               oom_before: int | None) -> AttemptOutcome:
+               oom_before: int | None, steps: StepLogReader) -> AttemptOutcome:
         hb_cfg = self.cfg.heartbeat
         watch = RankWatch(self.clock(), hb_cfg.timeout_s, hb_cfg.startup_timeout_s, stall_factor=hb_cfg.stall_factor,
                           stall_floor_s=STALL_FLOOR_BEATS * hb_cfg.interval_s)
-        steps = StepLogReader(spec.step_log)
         heartbeats: dict[int, Heartbeat] = {}
         next_scan = 0.0
         while True:
@@ -330,7 +333,7 @@ class Supervisor:
             heartbeats = current_group(read_heartbeats(spec.heartbeat_dir)) or heartbeats
             watch.observe(heartbeats, now)
             handle.track(hb.pid for hb in heartbeats.values())
-            self._follow_steps(steps.poll(), rec, heartbeats)
+            self._follow_steps(steps.poll(), rec)
             self._follow_resume(rec, heartbeats)
             self._follow_group(rec, heartbeats)
             if now >= next_scan:  # commits made by a rank 0 on another node show up only on disk
@@ -343,7 +346,7 @@ class Supervisor:
             self._update_ranks(heartbeats, watch, now)
             if rc is not None:
                 heartbeats = read_heartbeats(spec.heartbeat_dir) or heartbeats
-                self._follow_steps(steps.poll(), rec, heartbeats)
+                self._follow_steps(steps.poll(), rec)
                 self._update_ranks(heartbeats, watch, self.clock())
                 oom_after = oom_kills()
                 outcome = classify.classify(rc, classify.tail(handle.log_path, 200_000), heartbeats,
@@ -361,7 +364,7 @@ class Supervisor:
                 return self._hang(spec, handle, hangs, heartbeats)
             self.save_state(force=False)
 
-    def _follow_steps(self, records: list[Any], rec: AttemptRecord, heartbeats: dict[int, Heartbeat]) -> None:
+    def _follow_steps(self, records: list[Any], rec: AttemptRecord) -> None:
         for r in records:
             if isinstance(r, StepRecord):
                 if rec.first_step_at is None:

@@ -337,3 +337,29 @@ def test_failing_attempts_spend_the_budget_and_exit_1(tmp_path, cli, monkeypatch
     assert "restart budget is spent (2/2 restarts)" in result.stderr
     doc = json.loads((tmp_path / "runs/demo/state.json").read_text())
     assert [h["reason"] for h in doc["history"]] == ["worker_signal"] * 3 and doc["state"] == "failed"
+
+
+def test_the_step_at_failure_is_the_last_step_the_group_logged(tmp_path, cli, monkeypatch):
+    # Rank 0 was SIGKILLed inside step 59 before logging it; rank 1 finished 59 and beat. The group's step
+    # is 58: the step log's, not the highest heartbeat's (that was CI's flaky e2e failure: 59 vs 58).
+    from supervisor.protocol import step_line, write_heartbeat
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\nrestart: {max_restarts: 0}\n")
+
+    def launcher(cfg, spec, handover):
+        spec.step_log.parent.mkdir(parents=True, exist_ok=True)
+        spec.step_log.write_text("".join(step_line(s, 1000.0 + s) for s in range(1, 59)))
+        spec.heartbeat_dir.mkdir(parents=True, exist_ok=True)
+        for rank, step in ((0, 58), (1, 59)):
+            write_heartbeat(spec.heartbeat_dir, hb(rank, step=step, first_step_at=1001.0, started_at=1000.0))
+        h = FakeHandle(spec.logs_dir / "torchrun.log", rc=1)
+        h.log_path.write_text(summary(rank=0))
+        return h
+
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launcher)
+    result = cli("run", job)
+    assert result.exit_code == 1, result.output
+    doc = json.loads((tmp_path / "runs/demo/state.json").read_text())
+    assert doc["history"][0]["step_at_failure"] == 58 and doc["step"] == 58, doc["history"]
+    assert "attempt 1 failed at step 58" in result.stderr
