@@ -15,8 +15,8 @@ Systems (2 CPU ranks, gloo, the tiny GPT of jobs/tiny-cpu.yaml, FSDP2 everywhere
 Faults, the same for every system, at offsets from the system's first training step: SIGKILL of a random
 worker rank at exponential inter-failure times (mean --mtbf), and one SIGSTOP of a worker (a hang) at
 --hang-at; the fault clock stands still from the SIGSTOP until the first step after it (see Injector).
-Every system gets the same hang-detection budget (--hang-timeout): resilient's heartbeat timeout,
-ft_launcher's rank heartbeat timeout, the baseline's process-group timeout.
+Every system gets the same hang-detection budget (--hang-timeout; for f only as the ceiling): resilient's
+heartbeat timeout, ft_launcher's rank heartbeat timeout, the baseline's process-group timeout.
 
 Phases: `ideal` (the bare trainer, no checkpoints: the reference step time, and with --steps 0 the run
 length), `ideal-ft` (train_entry under resilient, no checkpoints: its own step time), then the systems, one
