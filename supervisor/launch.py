@@ -85,12 +85,15 @@ class TorchrunProcess:
     """One running torchrun and everything under it."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None,
-                 zygote: Zygote | None = None):
+                 zygote: Zygote | None = None, forked: prewarm.ForkedProcess | None = None):
         self.argv = argv
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = None
-        if zygote is not None:  # a torchrun that already imported torch becomes this attempt's
+        self.popen: subprocess.Popen | prewarm.ForkedProcess
+        if forked is not None:  # the prewarm server forked this attempt's torchrun (see prewarm.py)
+            self.popen = forked
+        elif zygote is not None:  # a torchrun that already imported torch becomes this attempt's
             self.popen = zygote.launch(argv[3:], env, cwd, log_path)
         else:
             self._log = open(log_path, "ab")  # noqa: SIM115 (closed in close())
@@ -182,11 +185,13 @@ class TorchrunProcess:
     def close(self) -> None:
         if self._log is not None:
             self._log.close()
+        if isinstance(self.popen, prewarm.ForkedProcess):
+            self.popen.close()
 
 
 class TorchrunLauncher:
-    """Launches each attempt's torchrun, from a zygote started ahead of need when there is one, with workers
-    forked from the prewarm server once it is ready."""
+    """Launches each attempt's torchrun: once the prewarm server is ready, torchrun and its workers are forks
+    of it; before that, torchrun comes from a zygote started ahead of need when there is one."""
 
     def __init__(self) -> None:
         self._zygote: Zygote | None = None
@@ -195,29 +200,42 @@ class TorchrunLauncher:
         self.spare()
 
     def spare(self) -> None:
-        """Start the next zygote, and the prewarm server if it is not running. The supervisor calls this once
-        an attempt trains: started at launch, their imports would compete with the new workers' own imports
-        for the CPU."""
-        if zygote_enabled() and self._zygote is None:
-            self._zygote = Zygote(preexec_fn=_die_with_parent)
+        """Get the next relaunch ready: the prewarm server if it is not running, and a zygote only while the
+        server is not ready (its import costs the training ranks CPU; a fork of the server costs nothing).
+        The supervisor calls this once an attempt trains: started at launch, their imports would compete
+        with the new workers' own imports for the CPU."""
         if prewarm.enabled() and self._worker_env is not None and (self._prewarm is None or
                                                                   not self._prewarm.alive()):
             if self._prewarm is not None:
                 self._prewarm.close()
             self._prewarm = prewarm.PrewarmServer(self._worker_env, preexec_fn=_die_with_parent)
+        server_ready = self._prewarm is not None and self._prewarm.ready()
+        if server_ready and self._zygote is not None:
+            self._zygote.discard()
+            self._zygote = None
+        elif zygote_enabled() and self._zygote is None and not server_ready:
+            self._zygote = Zygote(preexec_fn=_die_with_parent)
 
     def __call__(self, cfg: JobConfig, spec: AttemptSpec, handover: Handover) -> TorchrunProcess:
-        z, self._zygote = self._zygote, None
-        if z is not None and not z.alive():
-            z = None
         env = worker_env(cfg, handover)
         if self._worker_env is None:  # the server imports torch under the environment the workers get
             self._worker_env = {k: v for k, v in env.items() if k not in handover.to_env()}
-        prewarmed = self._prewarm is not None and self._prewarm.ready()
-        if prewarmed:
-            env[prewarm.ENV_SOCKET] = self._prewarm.socket
-        return TorchrunProcess(torchrun_argv(cfg, spec, prewarmed=prewarmed), env, spec.logs_dir / "torchrun.log",
-                               zygote=z)
+        log_path = spec.logs_dir / "torchrun.log"
+        server = self._prewarm if self._prewarm is not None and self._prewarm.ready() else None
+        if server is not None:
+            env[prewarm.ENV_SOCKET] = server.socket
+        argv = torchrun_argv(cfg, spec, prewarmed=server is not None)
+        if server is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(os.devnull, "rb") as stdin, open(log_path, "ab") as log_file:
+                forked = server.launch(argv[1:], env, os.getcwd(), [stdin.fileno(), log_file.fileno(),
+                                                                     log_file.fileno()])
+            if forked is not None:
+                return TorchrunProcess(argv, env, log_path, forked=forked)
+        z, self._zygote = self._zygote, None
+        if z is not None and not z.alive():
+            z = None
+        return TorchrunProcess(argv, env, log_path, zygote=z)
 
     def close(self) -> None:
         if self._zygote is not None:

@@ -13,6 +13,14 @@ all of that, reseeds what a fresh process would have seeded differently, and run
 without knowing it), the server reports its exit status, and the client exits the same way. The fork ends
 itself if the client dies (its socket closes), so torchrun's kill of a worker still ends the rank.
 
+The supervisor asks the same server for each relaunch's torchrun (`PrewarmServer.launch`, role
+"launcher"): a fork that runs `torch.distributed.run` in a session of its own, so the launcher handles it
+as it would a torchrun it had started, except that its exit status arrives from the server. The
+alternative, a fresh zygote importing torchrun during every attempt, took 1.5-2 s of CPU from the ranks
+each time on a node whose cores they keep busy (the first 100 steps of each attempt ran ~40% slower on 2
+cores); a fork costs milliseconds. A launcher fork is tied to the supervisor's connection, not to the
+server: when the supervisor dies it gets one SIGTERM, as a torchrun gets from its parent-death signal.
+
 Forking a process that has imported torch but never started a parallel region or touched CUDA is what
 DataLoader workers do; the server never does either. `RESILIENT_PREWARM=0` turns this off. The first
 attempt starts its workers normally while the server is importing (they would not wait for it anyway).
@@ -23,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import os
 import random
 import runpy
@@ -34,13 +43,18 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from typing import NoReturn
 
+from supervisor import prewarm_client
 from supervisor.prewarm_client import ENV_SOCKET  # noqa: F401 (the launcher sets it)
+
+log = logging.getLogger("resilient")
 
 ENV_SWITCH = "RESILIENT_PREWARM"
 CLIENT_MODULE = "supervisor.prewarm_client"
+LAUNCHER = "launcher"  # the role of a fork that becomes an attempt's torchrun (see PrewarmServer.launch)
 # torch._dynamo: FSDP2's fully_shard reaches DTensor.from_local, which imports it lazily on first use
 # (0.4-0.7 s here, half of a prewarmed rank's start before this was preloaded).
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
@@ -81,6 +95,27 @@ class PrewarmServer:
             self._ready = bool(readable) and self.popen.stdout.readline() == b"ready\n"
         return self._ready and self.alive()
 
+    def launch(self, argv: list[str], env: dict[str, str], cwd: str, stdio: list[int]) -> ForkedProcess | None:
+        """A fork that runs `argv` (an attempt's torchrun: `-m torch.distributed.run ...`) in a session of its
+        own, with this environment, folder and stdin/stdout/stderr; None if the server is not ready, is gone,
+        or refuses (the caller then starts torchrun itself)."""
+        if not self.ready():
+            return None
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(address(self.socket))
+        except OSError as e:
+            conn.close()
+            log.warning("prewarm server unreachable (%s): starting torchrun normally", e)
+            return None
+        first = prewarm_client.request(conn, argv, env, cwd, stdio, role=LAUNCHER)
+        if "pid" not in first:
+            conn.close()
+            log.warning("prewarm server did not fork torchrun (%s): starting it normally",
+                        first.get("refused", "no answer"))
+            return None
+        return ForkedProcess(int(first["pid"]), conn)
+
     def close(self) -> None:
         """Stop the server; workers it forked live on (their clients own them)."""
         if self.alive():
@@ -92,6 +127,59 @@ class PrewarmServer:
                 self.popen.wait(timeout=5)
         if self.popen.stdout is not None:
             self.popen.stdout.close()
+
+
+class ForkedProcess:
+    """A process the server forked for us, with the part of `subprocess.Popen` the launcher uses. It is the
+    server's child, not ours: its exit status comes from the server on `conn`; if the server is gone, a pidfd
+    still tells when it has ended, and its code is then unknown (1). Closing `conn` while it runs asks it to
+    stop (a launcher fork SIGTERMs itself)."""
+
+    def __init__(self, pid: int, conn: socket.socket):
+        self.pid, self.returncode = pid, None
+        self._conn: socket.socket | None = conn
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except OSError:  # already ended (and reaped by the server): its status is on its way on `conn`
+            self._pidfd = None
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            source = self._conn if self._conn is not None else self._pidfd
+            if source is None:
+                self.returncode = 1
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([source], [], [], left)[0]:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            if source is self._pidfd:
+                self.returncode = 1  # it ended, but the server that reaped it is gone: how is unknown
+                break
+            try:
+                status = json.loads(prewarm_client.read_line(self._conn) or b"{}").get("status")
+            except (OSError, ValueError):
+                status = None
+            if status is not None:
+                self.returncode = os.waitstatus_to_exitcode(status)
+            else:  # the server died: from now on, wait for the process itself
+                self._conn.close()
+                self._conn = None
+        return self.returncode
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 def address(name: str) -> str:
@@ -190,6 +278,9 @@ def _become_worker(conn: socket.socket, req: dict, fds: list[int]) -> NoReturn:
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        launcher = req.get("role") == LAUNCHER
+        if launcher:  # SIGUSR1 asks ranks for stack dumps (Slurm sends it to every process): not torchrun's
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -205,7 +296,11 @@ def _become_worker(conn: socket.socket, req: dict, fds: list[int]) -> NoReturn:
         sys.path[:1] = [path0, *extra]
         _reseed()
         conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
-        threading.Thread(target=_end_with_client, args=(conn,), name="prewarm-client", daemon=True).start()
+        # A rank ends at once with its proxy; a torchrun is asked to stop its ranks, as a parent-death signal
+        # would. Either way only the client's death does it, never the server's (Slurm signals the server
+        # too, and a torchrun signalled twice abandons its orderly shutdown).
+        ending = signal.SIGTERM if launcher else signal.SIGKILL
+        threading.Thread(target=_end_with_client, args=(conn, ending), name="prewarm-client", daemon=True).start()
         try:
             if module is not None:
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -246,12 +341,12 @@ def _reseed() -> None:
         torch.set_num_threads(int(threads))
 
 
-def _end_with_client(conn: socket.socket) -> None:
-    """The client never writes again: a read returns only when it has died. Then so does this rank."""
+def _end_with_client(conn: socket.socket, sig: int) -> None:
+    """The client never writes again: a read returns only when it has died. Then this fork ends too."""
     with contextlib.suppress(OSError):
         while conn.recv(1 << 10):
             pass
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), sig)
 
 
 if __name__ == "__main__":

@@ -42,16 +42,35 @@ def _exec(argv: list[str]) -> NoReturn:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
+def request(conn: socket.socket, argv: list[str], env: dict[str, str], cwd: str, stdio: list[int],
+            role: str = "worker") -> dict:
+    """Ask the server for a fork that runs `argv` (`-m MODULE ARGS` or `SCRIPT ARGS`) with this environment,
+    folder and stdin/stdout/stderr. Returns its first answer: {"pid": N}, {"refused": why}, or {} if the
+    server failed. Its last line, {"status": waitstatus}, follows on `conn` when the fork has ended."""
+    req = json.dumps({"argv": argv, "env": env, "cwd": cwd, "role": role}).encode() + b"\n"
+    try:
+        socket.send_fds(conn, [req[:1]], stdio)
+        conn.sendall(req[1:])
+        return json.loads(read_line(conn) or b"{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def read_line(conn: socket.socket) -> bytes:
+    """One line from the server, read a byte at a time so nothing after it is left in a buffer (the
+    supervisor waits for the next line with select)."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = conn.recv(1)
+        if not byte:
+            break
+        line += byte
+    return bytes(line)
+
+
 def _proxy(conn: socket.socket, argv: list[str]) -> None:
     """Hand our argv, environment and stdio to the server; returns only if no worker was forked."""
-    req = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode() + b"\n"
-    try:
-        socket.send_fds(conn, [req[:1]], [0, 1, 2])
-        conn.sendall(req[1:])
-        reader = conn.makefile("rb")
-        first = json.loads(reader.readline() or b"{}")
-    except (OSError, ValueError):
-        first = {}
+    first = request(conn, argv, dict(os.environ), os.getcwd(), [0, 1, 2])
     if "pid" not in first:  # refused, or the server died before forking: nobody runs this rank yet
         if first.get("refused"):
             print(f"resilient: prewarmed start refused ({first['refused']}); starting normally", file=sys.stderr)
@@ -61,7 +80,7 @@ def _proxy(conn: socket.socket, argv: list[str]) -> None:
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
     try:
-        last = json.loads(reader.readline() or b"{}")
+        last = json.loads(read_line(conn) or b"{}")
     except (OSError, ValueError):
         last = {}
     _leave_like(last.get("status"))

@@ -5,6 +5,7 @@ resume step. Each "node" is a real `resilient run --node NAME` with its own torc
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -68,14 +69,19 @@ class Node:
         return ranks[0] if ranks else None
 
     def launchers(self) -> list[psutil.Process]:
-        """The supervisor's children: its torchrun (a pre-started one, see supervisor/zygote.py) and spare."""
+        """The supervisor's children: its torchrun (a pre-started one, see supervisor/zygote.py), a spare,
+        and the prewarm server (relaunched torchruns are its forks)."""
         try:
             return psutil.Process(self.proc.pid).children()
         except psutil.Error:
             return []
 
     def hosts_store(self, port: int) -> bool:
+        torchruns = []
         for p in self.launchers():
+            with contextlib.suppress(psutil.Error):
+                torchruns += [p, *p.children()]
+        for p in torchruns:
             try:
                 if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections("tcp")):
                     return True

@@ -123,3 +123,71 @@ def test_signals_pass_both_ways_and_the_worker_never_outlives_its_client(tmp_pat
             for w in alive:
                 w.kill()
         assert alive == [], "a forked worker outlived its client"
+
+
+# ---- a fork that becomes an attempt's torchrun (role "launcher") -------------------------------------------
+
+LAUNCHED = textwrap.dedent("""\
+    import os, pathlib, signal, sys, time
+    out = pathlib.Path(sys.argv[1])
+    signal.signal(signal.SIGTERM, lambda *_: (out.write_text("SIGTERM"), os._exit(5)))
+    os.kill(os.getpid(), signal.SIGUSR1)  # Slurm's warning reaches torchrun too: it must not die of it
+    out.write_text(f"{os.getpgid(0)} {os.getpid()}")
+    if sys.argv[2] == "exit":
+        sys.exit(int(sys.argv[3]))
+    time.sleep(120)
+""")
+
+
+def launch(server: prewarm.PrewarmServer, tmp_path: Path, marker: Path, *args: str) -> prewarm.ForkedProcess:
+    script = tmp_path / "launched.py"
+    script.write_text(LAUNCHED)
+    with open(os.devnull, "rb") as stdin, open(tmp_path / "launched.log", "ab") as out:
+        forked = server.launch([str(script), str(marker), *args], child_env(), str(tmp_path),
+                               [stdin.fileno(), out.fileno(), out.fileno()])
+    assert forked is not None
+    return forked
+
+
+def test_a_launcher_fork_reports_its_exit_and_stops_when_its_supervisor_goes(tmp_path, server):
+    import subprocess
+
+    marker = tmp_path / "exit"
+    forked = launch(server, tmp_path, marker, "exit", "7")
+    try:
+        assert forked.wait(30) == 7, (tmp_path / "launched.log").read_text()
+        assert marker.read_text() == f"{forked.pid} {forked.pid}", "a session of its own, SIGUSR1 ignored"
+    finally:
+        forked.close()
+    # The supervisor's end of the connection closes (it died): the fork gets SIGTERM, once.
+    marker = tmp_path / "stopped"
+    forked = launch(server, tmp_path, marker, "sleep")
+    try:
+        wait_for(lambda: marker.exists() and marker.read_text() == f"{forked.pid} {forked.pid}", 30, "the fork")
+        with pytest.raises(subprocess.TimeoutExpired):
+            forked.wait(0.2)
+        assert psutil.Process(forked.pid).ppid() == server.popen.pid
+    finally:
+        forked.close()
+    wait_for(lambda: marker.read_text() == "SIGTERM", 30, "the fork to be asked to stop")
+
+
+def test_a_launcher_fork_outlives_the_server_and_its_end_is_still_seen(tmp_path):
+    srv = prewarm.PrewarmServer(child_env())
+    forked = None
+    try:
+        wait_for(srv.ready, 60, "a second prewarm server")
+        marker = tmp_path / "orphan"
+        forked = launch(srv, tmp_path, marker, "sleep")
+        wait_for(marker.exists, 30, "the fork")
+        srv.popen.kill()  # a Slurm SIGTERM or an OOM kill ends the server, not the attempt's torchrun
+        srv.popen.wait(10)
+        assert forked.poll() is None and psutil.Process(forked.pid).is_running()
+        os.kill(forked.pid, signal.SIGKILL)
+        assert forked.wait(30) == 1, "ended, with a code nobody could read"
+    finally:
+        if forked is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(forked.pid, signal.SIGKILL)
+            forked.close()
+        srv.close()

@@ -210,6 +210,15 @@ def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
         ranks = wait_for(lambda: attempt_ranks(3), 90, "attempt 3 training")
         cmdlines = [" ".join(psutil.Process(r["pid"]).cmdline()) for r in ranks]
         assert all("supervisor.prewarm" in c for c in cmdlines), cmdlines
+        # Its torchrun is a fork of the server too, in a session of its own (the parent of the ranks'
+        # proxies); once the server is ready the supervisor holds no zygote, whose import would cost CPU.
+        server = psutil.Process(ranks[0]["pid"]).parent()
+        torchruns = [p for p in server.children()
+                     if any("supervisor.prewarm_client" in " ".join(c.cmdline()) for c in p.children())]
+        assert len(torchruns) == 1 and os.getpgid(torchruns[0].pid) == torchruns[0].pid, torchruns
+        assert server.parent().pid == sup.pid
+        wait_for(lambda: not any("supervisor.zygote" in " ".join(c.cmdline())
+                                 for c in psutil.Process(sup.pid).children()), 30, "the spare zygote to be let go")
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
     assert [h["reason"] for h in status(killed)["history"]] == ["worker_signal", "worker_signal", "finished"]
     a, b = store.latest_valid(straight / "checkpoints"), store.latest_valid(killed / "checkpoints")
