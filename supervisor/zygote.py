@@ -49,11 +49,12 @@ class Zygote:
         return self.popen
 
     def discard(self) -> None:
-        """Not needed after all: closing its stdin makes it exit; kill it if it does not."""
+        """Not needed after all: closing its stdin makes it exit once its import is done; one still importing
+        is killed (it has started nothing), so the supervisor's loop never waits on it."""
         try:
             if self.popen.stdin is not None and not self.popen.stdin.closed:
                 self.popen.stdin.close()
-            self.popen.wait(timeout=5)
+            self.popen.wait(timeout=0.5)
         except (OSError, subprocess.TimeoutExpired):
             self.popen.kill()
             self.popen.wait(timeout=5)
