@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -136,10 +137,41 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous(tmp_path):
     assert store.inspect(run_dir / "checkpoints" / store.step_dirname(40)).valid
 
 
+def prewarm_server(sup_pid: int) -> psutil.Process | None:
+    """The supervisor's prewarm server once it listens (it binds its socket when its imports are done)."""
+    with contextlib.suppress(psutil.Error):
+        for p in psutil.Process(sup_pid).children():
+            if "supervisor.prewarm" in " ".join(p.cmdline()) and any(
+                    "resilient-prewarm" in str(c.laddr) for c in p.net_connections("unix")):
+                return p
+    return None
+
+
+def relaunch_on_a_forked_torchrun(sup: Proc, run_dir: Path) -> psutil.Process:
+    """Kill a rank once the prewarm server is ready; return attempt 2's torchrun, a fork of that server."""
+    wait_for(lambda: live_ranks(run_dir, min_step=5), 90, "training")
+    server = wait_for(lambda: prewarm_server(sup.pid), 90, "the prewarm server")
+    os.kill(live_ranks(run_dir)[1]["pid"], signal.SIGKILL)
+    wait_for(lambda: state(run_dir).get("attempt") == 2 and live_ranks(run_dir), 90, "attempt 2 training")
+    return forked_torchrun(server)
+
+
+def forked_torchrun(server: psutil.Process) -> psutil.Process:
+    """The one torchrun the prewarm server forked (the parent of the ranks' proxies), in a session of its own."""
+    torchruns = [p for p in server.children()
+                 if any("supervisor.prewarm_client" in " ".join(c.cmdline()) for c in p.children())]
+    assert len(torchruns) == 1 and os.getpgid(torchruns[0].pid) == torchruns[0].pid, torchruns
+    return torchruns[0]
+
+
 def test_sigterm_to_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tmp_path):
+    """On a relaunched attempt, whose torchrun is a fork of the prewarm server (attempt 1's stop is in
+    test_truncated_newest_shard_between_runs_resumes_from_the_one_before)."""
     run_dir = tmp_path / "run"
-    with started(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup1.log") as sup:
-        wait_for(lambda: live_ranks(run_dir, min_step=30), 90, "step 30")
+    with started(run_job(run_dir, steps=200), tmp_path, log=tmp_path / "sup1.log") as sup:
+        relaunch_on_a_forked_torchrun(sup, run_dir)
+        wait_for(lambda: live_ranks(run_dir, min_step=state(run_dir)["history"][-1]["resumed_from_step"] + 5), 90,
+                 "attempt 2 past its resume step")
         sup.signal(signal.SIGTERM)
         assert sup.wait(60) == 143, sup.output()[-3000:]
         assert sup.alive_descendants() == []
@@ -148,7 +180,7 @@ def test_sigterm_to_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tmp
     stop_step = doc["step"]
     latest = store.latest_valid(run_dir / "checkpoints", deep=True)
     assert latest.step == stop_step and stop_step % 20 != 0, (latest.step, stop_step)
-    with started(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup2.log") as sup:
+    with started(run_job(run_dir, steps=200), tmp_path, log=tmp_path / "sup2.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
         assert f"resuming from step {stop_step}" in sup.output()
 
@@ -172,12 +204,14 @@ def test_truncated_newest_shard_between_runs_resumes_from_the_one_before(tmp_pat
     assert any("truncated" in s for s in attempt["skipped"])
 
 
-def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path):
+@pytest.mark.parametrize("attempt", [1, 2], ids=["torchrun-from-zygote", "torchrun-forked-by-prewarm"])
+def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path, attempt):
     run_dir = tmp_path / "run"
     sup = Proc(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup1.log")
     try:
+        torchrun = relaunch_on_a_forked_torchrun(sup, run_dir) if attempt == 2 else None
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=10), 90, "training")
-        workers = [psutil.Process(r["pid"]) for r in ranks]
+        workers = [psutil.Process(r["pid"]) for r in ranks] + ([torchrun] if torchrun else [])
         os.kill(sup.pid, signal.SIGKILL)
         _gone, alive = psutil.wait_procs(workers, timeout=10)
         assert alive == [], f"workers alive 10 s after kill -9 of the supervisor: {alive}"
@@ -188,7 +222,7 @@ def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path
         assert sup2.wait(RUN_TIMEOUT) == 0, sup2.output()[-3000:]
     doc = status(run_dir)
     assert doc["state"] == "succeeded"
-    assert doc["history"][0]["reason"] == "supervisor_lost" and doc["history"][-1]["reason"] == "finished"
+    assert [h["reason"] for h in doc["history"][attempt - 1:]] == ["supervisor_lost", "finished"], doc["history"]
 
 
 def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
@@ -213,9 +247,7 @@ def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
         # Its torchrun is a fork of the server too, in a session of its own (the parent of the ranks'
         # proxies); once the server is ready the supervisor holds no zygote, whose import would cost CPU.
         server = psutil.Process(ranks[0]["pid"]).parent()
-        torchruns = [p for p in server.children()
-                     if any("supervisor.prewarm_client" in " ".join(c.cmdline()) for c in p.children())]
-        assert len(torchruns) == 1 and os.getpgid(torchruns[0].pid) == torchruns[0].pid, torchruns
+        forked_torchrun(server)
         assert server.parent().pid == sup.pid
         wait_for(lambda: not any("supervisor.zygote" in " ".join(c.cmdline())
                                  for c in psutil.Process(sup.pid).children()), 30, "the spare zygote to be let go")
