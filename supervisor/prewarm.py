@@ -29,6 +29,7 @@ attempt starts its workers normally while the server is importing (they would no
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import logging
@@ -55,6 +56,7 @@ log = logging.getLogger("resilient")
 ENV_SWITCH = "RESILIENT_PREWARM"
 CLIENT_MODULE = "supervisor.prewarm_client"
 LAUNCHER = "launcher"  # the role of a fork that becomes an attempt's torchrun (see PrewarmServer.launch)
+TORCHRUN = "torch.distributed.run"
 # torch._dynamo: FSDP2's fully_shard reaches DTensor.from_local, which imports it lazily on first use
 # (0.4-0.7 s here, half of a prewarmed rank's start before this was preloaded).
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
@@ -199,6 +201,8 @@ def serve(path: str) -> NoReturn:
     for name in PRELOAD:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # the forks' collections then never walk (and copy-on-write) the objects imported here
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address(path))
     listener.listen(64)
@@ -302,7 +306,12 @@ def _become_worker(conn: socket.socket, req: dict, fds: list[int]) -> NoReturn:
         ending = signal.SIGTERM if launcher else signal.SIGKILL
         threading.Thread(target=_end_with_client, args=(conn, ending), name="prewarm-client", daemon=True).start()
         try:
-            if module is not None:
+            if launcher and module == TORCHRUN:
+                # Called, as a zygote does, not run as __main__: runpy would replace this server's __main__,
+                # and torchrun's rendezvous (inspect.stack() per event) would then rescan all of sys.modules
+                # for each of our frames it could not place: +0.3 s per launch, measured.
+                importlib.import_module(TORCHRUN).main(args)
+            elif module is not None:
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
             else:
                 runpy.run_path(script, run_name="__main__")
@@ -312,10 +321,11 @@ def _become_worker(conn: socket.socket, req: dict, fds: list[int]) -> NoReturn:
         except BaseException:
             traceback.print_exc()
             code = 1
-        threading._shutdown()  # as at interpreter exit: wait for non-daemon threads, then atexit
-        import atexit
+        if not launcher:  # torchrun, like a zygote's, leaves at once: its teardown has nothing left to do
+            threading._shutdown()  # as at interpreter exit: wait for non-daemon threads, then atexit
+            import atexit
 
-        atexit._run_exitfuncs()
+            atexit._run_exitfuncs()
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()

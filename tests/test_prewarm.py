@@ -19,7 +19,7 @@ from supervisor import prewarm
 from tests.proc import child_env, started, wait_for
 
 WORKER = textwrap.dedent("""\
-    import json, os, signal, sys, time
+    import gc, json, os, signal, sys, time
     preloaded = "torch" in sys.modules  # before this script imports anything
     def on_term(signum, frame):
         print("got SIGTERM", flush=True)
@@ -27,7 +27,7 @@ WORKER = textwrap.dedent("""\
     signal.signal(signal.SIGTERM, on_term)
     print(json.dumps({"pid": os.getpid(), "preloaded": preloaded, "argv": sys.argv, "cwd": os.getcwd(),
                       "color": os.environ.get("COLOR"), "stdin": sys.stdin.readline().strip(),
-                      "path0": sys.path[0]}), flush=True)
+                      "path0": sys.path[0], "frozen": gc.get_freeze_count()}), flush=True)
     mode = sys.argv[1]
     if mode == "exit":
         sys.exit(int(sys.argv[2]))
@@ -81,6 +81,7 @@ def test_a_forked_worker_gets_argv_env_cwd_stdio_and_exit_code(tmp_path, server)
     assert doc["argv"] == [str(tmp_path / "worker.py"), "exit", "7"]
     assert doc["cwd"] == str(tmp_path) and doc["color"] == "teal" and doc["stdin"] == "hello"
     assert doc["path0"] == str(tmp_path), "a script's folder comes first on sys.path, as with `python script`"
+    assert doc["frozen"] > 10_000, "the server's imports are frozen: the fork's collections never walk them"
 
 
 def test_an_uncaught_exception_is_a_traceback_and_exit_1(tmp_path, server):
