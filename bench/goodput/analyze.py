@@ -229,7 +229,7 @@ COLUMNS = [
     ("hang_injected", "hang"), ("restarts", "restarts"), ("mean_recovery_s", "mean recovery s"),
     ("hang_recovery_s", "hang → step s"), ("lost_steps", "lost steps"), ("save_interval_steps", "ckpt every"),
     ("checkpoint_cost_s", "C s"), ("checkpoint_cost_eff_s", "C eff s"), ("step_s", "step s"),
-    ("first_step_s", "launch → step s"),
+    ("ideal_step_s", "ref step s"), ("first_step_s", "launch → step s"),
 ]
 
 

@@ -18,13 +18,14 @@ worker rank at exponential inter-failure times (mean --mtbf), and one SIGSTOP of
 Every system gets the same hang-detection budget (--hang-timeout; for f only as the ceiling): resilient's
 heartbeat timeout, ft_launcher's rank heartbeat timeout, the baseline's process-group timeout.
 
-Phases: `ideal` (the bare trainer, no checkpoints: the reference step time, and with --steps 0 the run
-length), `ideal-ft` (train_entry under resilient, no checkpoints: its own step time), then the systems, one
-at a time, then `ideal-after` (the bare trainer again; the reference is the mean of both, so that drift of the
-machine over the run is not charged to the systems). Each completed phase leaves <out>/<phase>/result.json; a
-rerun with the same settings skips those (an interrupted benchmark resumes), --redo names phases to run
-again. Every process a phase started is killed when it ends, however it ends. The summary goes to --json
-(default bench/results/goodput.json).
+Phases: `ideal` (the bare trainer, no checkpoints: with --steps 0 it sets the run length), `ideal-ft`
+(train_entry under resilient, no checkpoints: its own step time), then the systems, one at a time, each
+between `ideal-before-X` and `ideal-after-X` (the bare trainer again, undisturbed): X's reference step time is
+the mean of those two medians, so that this VM's drift over the benchmark (10-20 %) is not charged to it.
+Each completed phase leaves <out>/<phase>/result.json; a rerun with the same settings skips those (an
+interrupted benchmark resumes; a system run again is bracketed again), --redo names phases to run again.
+Every process a phase started is killed when it ends, however it ends. The summary goes to --json (default
+bench/results/goodput.json).
 """
 
 from __future__ import annotations
@@ -182,8 +183,13 @@ def nvrx_launch(args: argparse.Namespace, run_dir: Path, steps: int) -> Launch:
                   {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": str(REPO)})
 
 
+def reference_phases(key: str) -> tuple[str, str]:
+    """The bare trainer's undisturbed runs just before and just after system `key`: its reference step time."""
+    return f"ideal-before-{key}", f"ideal-after-{key}"
+
+
 def phase_launch(phase: str, args: argparse.Namespace, run_dir: Path) -> Launch:
-    if phase in ("ideal", "ideal-after"):
+    if phase == "ideal" or phase.startswith(("ideal-before-", "ideal-after-")):
         return torchrun_launch(args, run_dir, args.ideal_steps, every=0)
     if phase == "ideal-ft":
         return resilient_launch(args, run_dir, args.ideal_steps, interval="1000000000")
@@ -387,12 +393,19 @@ def load_result(phase_dir: Path, want: dict[str, Any]) -> dict[str, Any] | None:
     return doc if doc.get("settings") == want else None
 
 
+def reusable(phase: str, args: argparse.Namespace, schedule: list[Fault]) -> dict[str, Any] | None:
+    """The result of `phase` if it completed earlier under the same settings (and schedule) and is not to be
+    redone."""
+    want = settings(args, phase, None if phase.startswith("ideal") else schedule)
+    return None if phase in args.redo else load_result(args.out / phase, want)
+
+
 def run_or_reuse(phase: str, args: argparse.Namespace, schedule: list[Fault]) -> dict[str, Any]:
     """Run `phase`, unless it completed earlier under the same settings (and schedule)."""
     phase_dir = args.out / phase
     ideal = phase.startswith("ideal")
     want = settings(args, phase, None if ideal else schedule)
-    done = None if phase in args.redo else load_result(phase_dir, want)
+    done = reusable(phase, args, schedule)
     if done is not None or args.analyze_only:
         print(f"{phase}: " + (f"complete in {phase_dir}, reused" if done else "no result"), flush=True)
         return done or {}
@@ -427,29 +440,38 @@ def the_schedule(args: argparse.Namespace, ideal_s: float) -> list[Fault]:
     return schedule
 
 
+def reference_step_s(args: argparse.Namespace, key: str) -> tuple[float | None, list[float | None]]:
+    """System `key`'s ideal step time: the mean of the bare trainer's median step just before and just after
+    it (this VM drifts by 10-20 % over a benchmark; a reference taken once would charge that to the systems)."""
+    medians = [analyze.ideal_step_s(read_all(args.out / phase, "steps.jsonl")) for phase in reference_phases(key)]
+    known = [m for m in medians if m]
+    return (sum(known) / len(known) if known else None), medians
+
+
 def summarize(args: argparse.Namespace, docs: dict[str, dict[str, Any]], schedule: list[Fault]) -> dict[str, Any]:
-    before = analyze.ideal_step_s(read_all(args.out / "ideal", "steps.jsonl"))
-    after = analyze.ideal_step_s(read_all(args.out / "ideal-after", "steps.jsonl")) if "ideal-after" in docs else None
-    ideal_s = (before + after) / 2 if before and after else before  # the machine drifts over half an hour
+    first = analyze.ideal_step_s(read_all(args.out / "ideal", "steps.jsonl"))
     ideal_ft = analyze.ideal_step_s(read_all(args.out / "ideal-ft", "steps/attempt_*.jsonl")) \
         if "ideal-ft" in docs else None
     rows: dict[str, dict[str, Any]] = {}
+    references: dict[str, list[float | None]] = {}
     for key in args.systems:
         doc = docs.get(key, {})
         if "observed" not in doc:
             rows[key] = {"name": SYSTEMS[key], "skipped": doc.get("skipped", "not run")}
             continue
+        ideal_s, references[key] = reference_step_s(args, key)
         launch = phase_launch(key, args, args.out / key)
         records = read_all(args.out / key, launch.step_glob)
-        rows[key] = {"name": SYSTEMS[key], **analyze.measure(doc["observed"], records, steps=args.steps,
-                                                              ideal_s=ideal_s, mtbf_s=args.mtbf)}
+        rows[key] = {"name": SYSTEMS[key], "ideal_step_s": round(ideal_s or first, 5),
+                     **analyze.measure(doc["observed"], records, steps=args.steps, ideal_s=ideal_s or first,
+                                       mtbf_s=args.mtbf)}
     return {
         "label": args.label,
         "settings": settings(args),
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
                     "python": platform.python_version()},
-        "ideal_step_s": round(ideal_s, 5) if ideal_s else None,
-        "ideal_step_s_before_after": [round(v, 5) if v else None for v in (before, after)],
+        "ideal_step_s": round(first, 5) if first else None,
+        "ideal_step_s_around_each_system": {k: [round(v, 5) if v else None for v in r] for k, r in references.items()},
         "ideal_step_s_train_entry_under_resilient": round(ideal_ft, 5) if ideal_ft else None,
         "formula": "goodput = unique steps × ideal step / (final step − launch); Y/D bound = 1 − (sqrt(2C/F) + R/F), "
                    "T* = sqrt(2CF); bound: C = median effective s per save (blocking + slowdown while persisting), "
@@ -479,21 +501,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ideal step {ideal_s * 1000:.1f} ms; {args.steps} steps; schedule: " +
           ", ".join(f"{f.kind}@{f.at_s:.0f}s/r{f.rank}" for f in schedule), flush=True)
     for key in args.systems:
+        # Each system between two runs of the bare trainer, redone whenever the system is: its reference.
+        if reusable(key, args, schedule) is None and not args.analyze_only:
+            args.redo.update(reference_phases(key))
+        before, after = reference_phases(key)
+        docs[before] = run_or_reuse(before, args, [])
         docs[key] = run_or_reuse(key, args, schedule)
-    # The reference again, after the systems: the summary uses the mean of both. A machine that sped up or
-    # slowed down during the half hour would otherwise be charged to (or credited to) every system.
-    if any(docs[key].get("ran_now") for key in args.systems) and not args.analyze_only:
-        args.redo.add("ideal-after")
-    docs["ideal-after"] = run_or_reuse("ideal-after", args, [])
+        docs[after] = run_or_reuse(after, args, [])
     summary = summarize(args, docs, schedule)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(summary, indent=1) + "\n")
     print()
     if args.label:
         print(f"_{args.label}_\n")
-    print(f"ideal step (bare trainer, median; mean of before/after {summary['ideal_step_s_before_after']}): "
-          f"{summary['ideal_step_s']} s; MTBF {args.mtbf:g} s; "
-          f"{args.steps} steps; cap {args.cap_s:g} s\n")
+    around = ", ".join(f"{k} {' / '.join(f'{v * 1000:.1f}' for v in r if v)}"
+                       for k, r in summary["ideal_step_s_around_each_system"].items())
+    print(f"ideal step (bare trainer, median, ms) just before / after each system: {around}; "
+          f"MTBF {args.mtbf:g} s; {args.steps} steps; cap {args.cap_s:g} s\n")
     ran = {k: v for k, v in summary["systems"].items() if "skipped" not in v}
     print(analyze.table(ran))
     print("\nWhere the wall time went (s):\n")
