@@ -191,7 +191,8 @@ class TorchrunProcess:
 
 class TorchrunLauncher:
     """Launches each attempt's torchrun: once the prewarm server is ready, torchrun and its workers are forks
-    of it; before that, torchrun comes from a zygote started ahead of need when there is one."""
+    of it; the first attempt's torchrun comes from a zygote started with the supervisor, and a zygote is kept
+    for relaunches only when prewarming is off."""
 
     def __init__(self) -> None:
         self._zygote: Zygote | None = None
@@ -200,8 +201,10 @@ class TorchrunLauncher:
         self.spare()
 
     def spare(self) -> None:
-        """Get the next relaunch ready: the prewarm server if it is not running, and a zygote only while the
-        server is not ready (its import costs the training ranks CPU; a fork of the server costs nothing).
+        """Get the next relaunch ready: the prewarm server if it is not running, and a zygote only when there is
+        no server. A zygote importing beside the server took CPU from both it and the training ranks: on 2
+        cores the server was still importing 4 s after the first step, and a failure then relaunched cold
+        (median 4.4 s to the next step); without the zygote the server was ready and it took 1.2-2.3 s.
         The supervisor calls this once an attempt trains: started at launch, their imports would compete
         with the new workers' own imports for the CPU."""
         if prewarm.enabled() and self._worker_env is not None and (self._prewarm is None or
@@ -209,11 +212,11 @@ class TorchrunLauncher:
             if self._prewarm is not None:
                 self._prewarm.close()
             self._prewarm = prewarm.PrewarmServer(self._worker_env, preexec_fn=_die_with_parent)
-        server_ready = self._prewarm is not None and self._prewarm.ready()
-        if server_ready and self._zygote is not None:
+        server_up = self._prewarm is not None and self._prewarm.alive()
+        if server_up and self._zygote is not None:
             self._zygote.discard()
             self._zygote = None
-        elif zygote_enabled() and self._zygote is None and not server_ready:
+        elif zygote_enabled() and self._zygote is None and not server_up:
             self._zygote = Zygote(preexec_fn=_die_with_parent)
 
     def __call__(self, cfg: JobConfig, spec: AttemptSpec, handover: Handover) -> TorchrunProcess:

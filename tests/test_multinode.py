@@ -69,8 +69,8 @@ class Node:
         return ranks[0] if ranks else None
 
     def launchers(self) -> list[psutil.Process]:
-        """The supervisor's children: its torchrun (a pre-started one, see supervisor/zygote.py), a spare,
-        and the prewarm server (relaunched torchruns are its forks)."""
+        """The supervisor's children: its first torchrun (a zygote, see supervisor/zygote.py) and the
+        prewarm server (relaunched torchruns are its forks)."""
         try:
             return psutil.Process(self.proc.pid).children()
         except psutil.Error:
