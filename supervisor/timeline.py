@@ -79,19 +79,30 @@ def plot(record: RunRecord, node_dir: Path, out: Path) -> Path:
         labelled.add(label)
         return label
 
+    series = {h.attempt: _attempt_series(node_dir, h.attempt) for h in record.history}
+    n_commits = sum(len(commits) for _, commits in series.values())
+    # Dozens of checkpoints would bury the attempts' lines: then they are small and drawn beneath them.
+    commit_size = 28 if n_commits <= 40 else 8
+    last_label: tuple[float, int] | None = None  # (x, vertical offset) of the last failure's label
     for h in record.history:
-        steps, commits = _attempt_series(node_dir, h.attempt)
+        steps, commits = series[h.attempt]
         if steps:
-            ax.plot([t - t0 for t, _ in steps], [s for _, s in steps], lw=1.6, label=f"attempt {h.attempt}")
+            ax.plot([t - t0 for t, _ in steps], [s for _, s in steps], lw=1.6, zorder=3,
+                    label=f"attempt {h.attempt}")
         if commits:
-            ax.scatter([t - t0 for t, _ in commits], [s for _, s in commits], marker="^", s=28, color="green",
-                       zorder=3, label=once("checkpoint committed"))
+            ax.scatter([t - t0 for t, _ in commits], [s for _, s in commits], marker="^", s=commit_size,
+                       color="green", zorder=2, label=once("checkpoint committed"))
         ax.axvline(h.started_at - t0, color="grey", ls="--", lw=0.8, label=once("launch / relaunch"))
         if h.reason not in (None, "finished", "stopped") and h.ended_at is not None:
+            x = h.ended_at - t0
             y = h.step_at_failure if h.step_at_failure is not None else (steps[-1][1] if steps else 0)
-            ax.scatter([h.ended_at - t0], [y], marker="x", s=80, color="red", zorder=4,
-                       label=once("failure"))
-            ax.annotate(h.reason, (h.ended_at - t0, y), textcoords="offset points", xytext=(4, 6), fontsize=8,
+            ax.scatter([x], [y], marker="x", s=80, color="red", zorder=4, label=once("failure"))
+            # Failures close together get their labels above and below in turn, so they do not overprint.
+            near = last_label is not None and x - last_label[0] < 0.06 * (span[1] - t0)
+            dy = -14 if near and last_label[1] > 0 else 6
+            last_label = (x, dy)
+            rank = f" r{h.failed_rank}" if h.failed_rank is not None else ""
+            ax.annotate(f"{h.reason}{rank}", (x, y), textcoords="offset points", xytext=(4, dy), fontsize=8,
                         color="red")
     gp = record.goodput
     title = f"{record.name}: {record.state.value}, goodput {gp:.1%}" if gp is not None else record.name

@@ -137,9 +137,11 @@ class StatusResult:
                                  dash if not h.lost_steps else str(h.lost_steps), h.detail or "")
             parts.append(hist)
             parts.append(Text("timeline (s starting, █ training, x failure)", style="bold"))
+            # The bar narrows with the terminal so that a line and its "worker_signal @12345" fit on one row.
+            bar = max(20, min(60, render.out.width - 32))
             for n in self.nodes:
                 prefix = f"{n.record.node} " if multinode else ""
-                parts.extend(Text(prefix + line) for line in timeline.text_timeline(n.record))
+                parts.extend(Text(prefix + line) for line in timeline.text_timeline(n.record, width=bar))
         return Group(*parts)
 
 
