@@ -225,10 +225,9 @@ class TorchrunLauncher:
             self._worker_env = {k: v for k, v in env.items() if k not in handover.to_env()}
         log_path = spec.logs_dir / "torchrun.log"
         server = self._prewarm if self._prewarm is not None and self._prewarm.ready() else None
-        if server is not None:
-            env[prewarm.ENV_SOCKET] = server.socket
         argv = torchrun_argv(cfg, spec, prewarmed=server is not None)
         if server is not None:
+            env[prewarm.ENV_SOCKET] = server.socket
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(os.devnull, "rb") as stdin, open(log_path, "ab") as log_file:
                 forked = server.launch(argv[1:], env, os.getcwd(), [stdin.fileno(), log_file.fileno(),

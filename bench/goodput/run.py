@@ -393,18 +393,22 @@ def load_result(phase_dir: Path, want: dict[str, Any]) -> dict[str, Any] | None:
     return doc if doc.get("settings") == want else None
 
 
+def phase_settings(phase: str, args: argparse.Namespace, schedule: list[Fault]) -> dict[str, Any]:
+    """What `phase`'s result depends on: the undisturbed reference runs do not depend on the schedule."""
+    return settings(args, phase, None if phase.startswith("ideal") else schedule)
+
+
 def reusable(phase: str, args: argparse.Namespace, schedule: list[Fault]) -> dict[str, Any] | None:
     """The result of `phase` if it completed earlier under the same settings (and schedule) and is not to be
     redone."""
-    want = settings(args, phase, None if phase.startswith("ideal") else schedule)
-    return None if phase in args.redo else load_result(args.out / phase, want)
+    return None if phase in args.redo else load_result(args.out / phase, phase_settings(phase, args, schedule))
 
 
 def run_or_reuse(phase: str, args: argparse.Namespace, schedule: list[Fault]) -> dict[str, Any]:
     """Run `phase`, unless it completed earlier under the same settings (and schedule)."""
     phase_dir = args.out / phase
     ideal = phase.startswith("ideal")
-    want = settings(args, phase, None if ideal else schedule)
+    want = phase_settings(phase, args, schedule)
     done = reusable(phase, args, schedule)
     if done is not None or args.analyze_only:
         print(f"{phase}: " + (f"complete in {phase_dir}, reused" if done else "no result"), flush=True)
