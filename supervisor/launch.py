@@ -24,6 +24,7 @@ import psutil
 from supervisor import prewarm
 from supervisor.api import AttemptSpec
 from supervisor.config import JobConfig
+from supervisor.prewarm import TORCHRUN as TORCHRUN_MODULE
 from supervisor.protocol import Handover
 from supervisor.zygote import Zygote
 from supervisor.zygote import enabled as zygote_enabled
@@ -43,7 +44,7 @@ def torchrun_argv(cfg: JobConfig, spec: AttemptSpec, *, python: str = sys.execut
             because only torchrun can re-form the group in place when a node leaves or joins.
         prewarmed: start each worker through the prewarm client (`supervisor.prewarm`).
     """
-    argv = [python, "-m", "torch.distributed.run",
+    argv = [python, "-m", TORCHRUN_MODULE,
             "--nnodes", cfg.nnodes, "--nproc-per-node", cfg.nproc_per_node]
     if cfg.rdzv.endpoint is None:
         argv += ["--standalone"]  # one node, a free port chosen by torchrun's own store

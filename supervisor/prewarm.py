@@ -56,7 +56,7 @@ log = logging.getLogger("resilient")
 ENV_SWITCH = "RESILIENT_PREWARM"
 CLIENT_MODULE = "supervisor.prewarm_client"
 LAUNCHER = "launcher"  # the role of a fork that becomes an attempt's torchrun (see PrewarmServer.launch)
-TORCHRUN = "torch.distributed.run"
+TORCHRUN = "supervisor.torchrun"  # torchrun, given only the options this torch knows
 # torch._dynamo: FSDP2's fully_shard reaches DTensor.from_local, which imports it lazily on first use
 # (0.4-0.7 s here, half of a prewarmed rank's start before this was preloaded).
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
@@ -98,7 +98,7 @@ class PrewarmServer:
         return self._ready and self.alive()
 
     def launch(self, argv: list[str], env: dict[str, str], cwd: str, stdio: list[int]) -> ForkedProcess | None:
-        """A fork that runs `argv` (an attempt's torchrun: `-m torch.distributed.run ...`) in a session of its
+        """A fork that runs `argv` (an attempt's torchrun: `-m supervisor.torchrun ...`) in a session of its
         own, with this environment, folder and stdin/stdout/stderr; None if the server is not ready, is gone,
         or refuses (the caller then starts torchrun itself)."""
         if not self.ready():

@@ -10,7 +10,7 @@ later attempts' torchruns are forks of the prewarm server (supervisor/prewarm.py
 started, once an attempt trains, only when there is no server to fork from.
 
 Workers are unaffected: torchrun starts them as fresh processes with the environment it was handed.
-`RESILIENT_ZYGOTE=0` turns this off (each attempt then runs `python -m torch.distributed.run`).
+`RESILIENT_ZYGOTE=0` turns this off (each attempt then runs `python -m supervisor.torchrun`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ class Zygote:
 
 def serve() -> NoReturn:
     """Child side: import torchrun now, become the attempt's torchrun when asked."""
-    import torch.distributed.run as torchrun  # the slow part, done before anyone waits for it
+    import torch.distributed.run  # noqa: F401 (the slow part, done before anyone waits for it)
+
+    from supervisor import torchrun
 
     line = sys.stdin.buffer.readline()
     if not line:  # the supervisor does not need us

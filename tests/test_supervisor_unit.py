@@ -291,7 +291,7 @@ def test_run_builds_the_exact_torchrun_argv(tmp_path, cli, monkeypatch):
     assert result.exit_code == 0, result.output
     argv, handover = seen[0]
     logs = tmp_path / "runs/demo/logs/attempt_1"
-    assert argv == [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+    assert argv == [sys.executable, "-m", "supervisor.torchrun", "--nnodes", "1", "--nproc-per-node", "2",
                     "--standalone", "--max-restarts", "0", "--monitor-interval", "0.1", "--shutdown-timeout", "15",
                     "--log-dir", str(logs / "ranks"), "--redirects", "3", "-m", "train_entry", "--steps", "10"]
     assert handover.ckpt_interval == 5 and handover.attempt == 1 and handover.resume_step is None
@@ -310,7 +310,7 @@ def test_multinode_argv_uses_the_rendezvous(tmp_path):
     cfg = load_job(job)
     spec = AttemptSpec(1, None, None, tmp_path / "l", tmp_path / "h", tmp_path / "s", tmp_path / "c")
     argv = torchrun_argv(cfg, spec, python="py", max_restarts=7)
-    assert argv[:16] == ["py", "-m", "torch.distributed.run", "--nnodes", "1:4", "--nproc-per-node", "8",
+    assert argv[:16] == ["py", "-m", "supervisor.torchrun", "--nnodes", "1:4", "--nproc-per-node", "8",
                          "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400", "--rdzv-id", "mn",
                          "--rdzv-conf", "last_call_timeout=5", "--max-restarts"]
     assert argv[16] == "7" and argv[-1] == str(tmp_path / "t.py")

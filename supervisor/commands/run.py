@@ -52,7 +52,8 @@ def reap_orphans(layout: RunLayout, cfg: JobConfig, console: EventConsole) -> No
         prev = state.read(layout.state_file)
     except state.StateFileError:
         return
-    markers = [m for m in (cfg.entrypoint.module, str(cfg.entrypoint.script or ""), "torch.distributed.run") if m]
+    markers = [m for m in (cfg.entrypoint.module, str(cfg.entrypoint.script or ""), "supervisor.torchrun",
+                           "torch.distributed.run") if m]
     procs = []
     for r in prev.ranks:
         with contextlib.suppress(psutil.Error, KeyError, TypeError):

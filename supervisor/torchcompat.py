@@ -1,0 +1,78 @@
+"""Where the torch releases we support differ, and what we do about it: the one place that knows.
+
+Every difference is detected by feature (what the installed torch has or does), never by its version
+number, so a release we have not seen takes the path its features call for. torch is imported inside the
+functions only: this module is used by processes that already run torch (torchrun's launcher, the ranks),
+never by the supervisor's own process or the light commands.
+
+Measured differences across the supported range (README, "Supported torch"):
+
+- torchrun's parser: `--shutdown-timeout` is newer than our floor. Options we pass only to tune torchrun
+  are dropped when its parser does not know them (`torchrun_args`); anything else still reaches torchrun,
+  which refuses what it does not know as a configuration error.
+- torch.save's zip CRC32: older torch has no switch for it (`skip_zip_crc32` then does nothing; the store's
+  manifest checksums every file either way).
+- `dcp.save`'s return value: some releases fill `Metadata.storage_data`, some leave it None. We never read
+  it: the files a rank wrote are what our writer recorded (train_entry/checkpoint.py).
+- DCP's `DefaultStager`: absent at the floor, and on some releases a reused stager fails its second
+  `stage()` (KeyError: <class 'type'>). We stage into our own buffers (train_entry/staging.py), which need
+  only `dtensor_like` from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# Options resilient passes to tune torchrun, not to define the job: dropped where torchrun lacks them.
+TUNING_OPTIONS = ("--shutdown-timeout",)
+
+
+def torchrun_args(args: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`args` without the TUNING_OPTIONS (and their values) that `parser` (torchrun's) does not define.
+
+    Only torchrun's own options are looked at: scanning stops at the entry point (`-m MODULE` or a script).
+    """
+    actions = parser._option_string_actions
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if not token.startswith("-") or token in ("-m", "--module"):
+            return out + args[i:]  # the entry point and its own arguments
+        flag, eq, _ = token.partition("=")
+        following = args[i + 1] if i + 1 < len(args) else None
+        if flag in actions:
+            takes_value = not eq and actions[flag].nargs != 0
+        else:  # not torchrun's: a value follows unless the next token is an option itself
+            takes_value = not eq and following is not None and not following.startswith("-")
+        width = 2 if takes_value and following is not None else 1
+        if not (flag in TUNING_OPTIONS and flag not in actions):
+            out += args[i:i + width]
+        i += width
+    return out
+
+
+def skip_zip_crc32() -> bool:
+    """Turn off torch.save's zip CRC32 where torch has the switch; returns whether it could."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return False
+    save = getattr(config, "save", None)
+    if save is None or not hasattr(save, "compute_crc32"):
+        return False
+    save.compute_crc32 = False
+    return True
+
+
+def dtensor_like(template: Any, local: Any) -> Any:
+    """A DTensor with `template`'s mesh, placements and global shape whose local shard is `local` (which may
+    live on another device, e.g. host memory): what DCP needs to plan and write a staged shard.
+
+    `DTensor.from_local` would move `local` back to the mesh's device, so the constructor is used; it has
+    taken (local_tensor, spec, requires_grad=...) across the supported range.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, template._spec, requires_grad=False)
