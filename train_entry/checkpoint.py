@@ -24,9 +24,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from supervisor import store
+from supervisor import store, torchcompat
 from supervisor.protocol import CommitRecord
 from train_entry.dist import DistContext
+from train_entry.staging import HostStager
 
 log = logging.getLogger("train_entry")
 
@@ -86,8 +87,12 @@ class _HashingStream:
 
 
 class _HashingFileSystem(FileSystem):
+    """DCP's file system, recording every file written through it (the rank's own files of the save) and
+    the checksum of each one written front to back."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.written: set[str] = set()
         self.digests: dict[str, str] = {}
 
     @contextlib.contextmanager
@@ -96,11 +101,13 @@ class _HashingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
+            name = Path(path).name.removesuffix(".tmp")  # DCP renames .metadata.tmp
+            self.written.add(name)
             hs = _HashingStream(stream)
             yield hs
             digest = hs.hexdigest()
             if digest is not None:
-                self.digests[Path(path).name.removesuffix(".tmp")] = digest  # DCP renames .metadata.tmp
+                self.digests[name] = digest
 
 
 class _Writer(FileSystemWriter):
@@ -120,28 +127,22 @@ class _Writer(FileSystemWriter):
         return fut
 
 
-def skip_zip_crc32() -> None:
-    """DCP writes every tensor with torch.save, whose zip container computes a CRC32 of every byte: about
-    half of a save's CPU time here (bench/checkpoint_save.py). The store's manifest already checksums every
-    file (xxh3_128), so the CRC is redundant. This is torch's process-wide setting; loading is unaffected."""
-    from torch.utils.serialization import config
-
-    config.save.compute_crc32 = False
-
-
 class Checkpointer:
     def __init__(self, root: str | Path, ctx: DistContext, *, async_save: bool,
                  on_committed: Callable[[CommitRecord], None] | None = None, pause: SavePause | None = None,
                  zip_crc32: bool = False):
         if not zip_crc32:
-            skip_zip_crc32()
+            # DCP writes every tensor with torch.save, whose zip container computes a CRC32 of every byte:
+            # about half of a save's CPU time here (bench/checkpoint_save.py), and redundant with the
+            # manifest's checksums. Torch's process-wide setting where it has one; loading is unaffected.
+            torchcompat.skip_zip_crc32()
         self.root = Path(root)
         self.ctx = ctx
         self.async_save = async_save
         self.on_committed = on_committed
         self.pause = pause
         self.last_save_s: float | None = None  # wall time of the last whole save, blocking + persist
-        self._stager: Any = None
+        self._stager = HostStager(pin_memory=ctx.device.type == "cuda")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.in_flight: int | None = None
@@ -169,12 +170,6 @@ class Checkpointer:
         return blocking
 
     def _stage(self, sd: dict[str, Any]) -> dict[str, Any]:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        if self._stager is None:
-            cuda = self.ctx.device.type == "cuda"
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=False))
         return self._stager.stage(sd)
 
     def wait(self) -> None:
@@ -201,12 +196,9 @@ class Checkpointer:
         try:
             dist.barrier(group=group)  # the folder exists before anyone writes into it
             writer = _Writer(path, step, self.pause)
-            metadata = dcp.save(sd, storage_writer=writer, process_group=group)
-            data_files = {s.relative_path for s in metadata.storage_data.values()}
-            mine = sorted(f for f in data_files if f.startswith(f"__{ctx.rank}_"))
-            if ctx.is_main:
-                mine.append(".metadata")
-            records = store.describe_files(path, mine, known=writer.fs.digests)
+            dcp.save(sd, storage_writer=writer, process_group=group)
+            # The files this rank wrote, as our writer saw them (what dcp.save returns differs by release).
+            records = store.describe_files(path, sorted(writer.fs.written), known=writer.fs.digests)
             gathered: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
             dist.gather_object(records, gathered, dst=0, group=group)
             if partial is not None:
