@@ -125,6 +125,7 @@ def test_sigkill_between_saves_and_plain_relaunch_is_bitwise_exact(tmp_path):
     assert_same_training_state(final_a.path, final_b.path)
 
 
+@pytest.mark.matrix
 def test_resharding_2_to_1_to_3_consumes_every_sample_once(tmp_path):
     batch = 10  # uneven over 3 ranks: 3/3/4
     base = ["--batch", str(batch), "--ckpt-interval", "5", "--test-log-samples", "samples", "--log-every", "1"]

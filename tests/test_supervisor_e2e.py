@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from supervisor import store
+from supervisor.protocol import CommitRecord, SaveRecord, read_step_log
 from tests.ckpt_helpers import truncate
 from tests.proc import REPO, Proc, child_env, started, wait_for
 
@@ -164,6 +165,7 @@ def forked_torchrun(server: psutil.Process) -> psutil.Process:
     return torchruns[0]
 
 
+@pytest.mark.matrix
 def test_sigterm_to_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tmp_path):
     """On a relaunched attempt, whose torchrun is a fork of the prewarm server (attempt 1's stop is in
     test_truncated_newest_shard_between_runs_resumes_from_the_one_before)."""
@@ -225,14 +227,20 @@ def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path
     assert [h["reason"] for h in doc["history"][attempt - 1:]] == ["supervisor_lost", "finished"], doc["history"]
 
 
+@pytest.mark.matrix
 def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
     """Two SIGKILLs: attempt 3's ranks are forks of the prewarm server, and the final model and optimizer
-    equal those of an uninterrupted run, tensor by tensor."""
+    equal those of an uninterrupted run, tensor by tensor; every checkpoint written verifies byte for byte."""
     from tests.test_entry import assert_same_training_state
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     with started(run_job(straight, steps=160), tmp_path, log=tmp_path / "straight.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    # One worker group made every save of the uninterrupted run, async: a stager reused across saves.
+    records = read_step_log(straight / "steps" / "attempt_1.jsonl")
+    saves = [r.step for r in records if isinstance(r, SaveRecord)]
+    commits = [r.step for r in records if isinstance(r, CommitRecord)]
+    assert saves == commits == list(range(20, 161, 20)) and len(status(straight)["history"]) == 1
 
     def attempt_ranks(attempt: int, min_step: int = 0) -> list[dict]:
         return live_ranks(killed, min_step) if state(killed).get("attempt") == attempt else []
@@ -256,6 +264,11 @@ def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
     a, b = store.latest_valid(straight / "checkpoints"), store.latest_valid(killed / "checkpoints")
     assert a.step == b.step == 160
     assert_same_training_state(a.path, b.path)
+    verify = subprocess.run(resilient("inspect-checkpoint", killed, "--verify", "--json"), capture_output=True,
+                            text=True, env=child_env(), timeout=60)
+    doc = json.loads(verify.stdout)
+    assert verify.returncode == 0 and doc["verified"] and doc["latest_valid_step"] == 160, verify.stderr
+    assert {c["status"] for c in doc["checkpoints"]} == {"valid"} and len(doc["checkpoints"]) == 3  # keep: 3
 
 
 def test_an_entry_that_always_dies_at_the_same_step_is_a_crash_loop(tmp_path):
