@@ -1,7 +1,9 @@
-"""Write real checkpoints through the store's own writer API (no hand-made markers)."""
+"""Write real checkpoints through the store's own writer API (no hand-made markers), damage them, and compare
+what two DCP checkpoints hold."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -40,3 +42,37 @@ def flip_byte(path: Path, offset: int = 100) -> None:
 
 def truncate(path: Path, by: int = 10) -> None:
     os.truncate(path, path.stat().st_size - by)
+
+
+def dcp_tensors(path: Path) -> dict[str, object]:
+    """A whole checkpoint read in this (single) process, flattened: model, optimizer, RNG, position."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict[str, object] = {}
+    _load_state_dict(sd, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    flat: dict[str, object] = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[f"{prefix}{k}"] = v
+
+    walk(sd, "")
+    return flat
+
+
+def assert_same_training_state(a: Path, b: Path) -> None:
+    import torch
+
+    ta, tb = dcp_tensors(a), dcp_tensors(b)
+    assert ta.keys() == tb.keys()
+    tensors = [k for k in ta if k.startswith(("model.", "optim.state.")) and isinstance(ta[k], torch.Tensor)]
+    assert len(tensors) > 20
+    unequal = [k for k in tensors if not torch.equal(ta[k], tb[k])]
+    assert unequal == [], f"{len(unequal)} tensors differ, e.g. {unequal[:3]}"
+    assert json.loads(ta["train"]) == json.loads(tb["train"])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+from pathlib import Path
 
 os.environ["COLUMNS"] = "200"
 os.environ["LINES"] = "50"
@@ -11,7 +13,9 @@ os.environ.setdefault("TERM", "dumb")
 import pytest
 from typer.testing import CliRunner
 
+from supervisor import store
 from supervisor.cli import app
+from tests.ckpt_helpers import flip_byte, truncate, write_checkpoint
 
 
 @pytest.fixture
@@ -38,3 +42,27 @@ def no_leftover_processes():
     for p in alive:
         p.kill()
     assert not alive, f"processes left behind: {[(p.pid, p.name()) for p in alive]}"
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    """A seeded random source for tests that pick random moments or victims. The seed is printed (pytest
+    shows it with a failure): RESILIENT_TEST_SEED=<seed> replays the same choices."""
+    seed = int(os.environ.get("RESILIENT_TEST_SEED") or random.randrange(1 << 30))
+    print(f"RESILIENT_TEST_SEED={seed}")
+    return random.Random(seed)
+
+
+@pytest.fixture
+def zoo(tmp_path) -> Path:
+    """Every kind of folder the acceptance line names, each made by the writer API then damaged."""
+    root = tmp_path / "ckpt"
+    write_checkpoint(root, 10)                                   # valid
+    no_marker = write_checkpoint(root, 20)                       # valid until its marker goes
+    os.unlink(no_marker / store.MARKER)
+    truncate(write_checkpoint(root, 30) / "__1_0.distcp")        # truncated shard
+    flip_byte(write_checkpoint(root, 40) / "__0_0.distcp")       # flipped byte: valid unless verified
+    (write_checkpoint(root, 50) / store.MARKER).write_text("{not json")  # garbage marker
+    (write_checkpoint(root, 60) / "notes.txt").write_text("x")   # unlisted extra file
+    write_checkpoint(root, 70, commit=False)                     # abandoned partial save
+    return root

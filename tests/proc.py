@@ -126,11 +126,13 @@ def started(argv: list[str], cwd: Path, env: dict[str, str] | None = None, log: 
         proc.kill_all()
 
 
-def torchrun(nproc: int, entry_args: list[str], *, module: str = "train_entry", port: int | None = None) -> list[str]:
-    """A single-node torchrun command line on a free loopback port."""
+def torchrun(nproc: int, entry_args: list[str], *, module: str = "train_entry", port: int | None = None,
+             device: str = "cpu") -> list[str]:
+    """A single-node torchrun command line on a free loopback port. The device is always explicit, so a test
+    means the same on a CPU box and on a GPU box (`--device auto` would pick NCCL on one)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port or free_port()}",
-            "--max-restarts", "0", "-m", module, *entry_args]
+            "--max-restarts", "0", "-m", module, "--device", device, *entry_args]
 
 
 def heartbeat(folder: Path, rank: int) -> dict[str, Any] | None:

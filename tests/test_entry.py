@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -15,45 +14,12 @@ import pytest
 
 from supervisor import store
 from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED
+from tests.ckpt_helpers import assert_same_training_state
 from tests.proc import Proc, heartbeat, started, step_of, torchrun, wait_for
 
 pytestmark = pytest.mark.slow
 
 LAUNCH_TIMEOUT = 120
-
-
-def dcp_tensors(path: Path) -> dict[str, object]:
-    """A whole checkpoint read in this (single) process, flattened: model, optimizer, RNG, position."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    sd: dict[str, object] = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
-    flat: dict[str, object] = {}
-
-    def walk(d: dict, prefix: str) -> None:
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            else:
-                flat[f"{prefix}{k}"] = v
-
-    walk(sd, "")
-    return flat
-
-
-def assert_same_training_state(a: Path, b: Path) -> None:
-    import torch
-
-    ta, tb = dcp_tensors(a), dcp_tensors(b)
-    assert ta.keys() == tb.keys()
-    tensors = [k for k in ta if k.startswith(("model.", "optim.state.")) and isinstance(ta[k], torch.Tensor)]
-    assert len(tensors) > 20
-    unequal = [k for k in tensors if not torch.equal(ta[k], tb[k])]
-    assert unequal == [], f"{len(unequal)} tensors differ, e.g. {unequal[:3]}"
-    assert json.loads(ta["train"]) == json.loads(tb["train"])
 
 
 def run_to_end(cwd: Path, nproc: int, args: list[str], name: str) -> str:
@@ -81,14 +47,13 @@ def max_step(samples: Path) -> int:
     return max((r["step"] for r in rows), default=0)
 
 
-def test_sigkill_between_saves_and_plain_relaunch_is_bitwise_exact(tmp_path):
+def test_sigkill_between_saves_and_plain_relaunch_is_bitwise_exact(tmp_path, rng):
     """Uninterrupted vs. SIGKILLed twice at random steps and relaunched with plain torchrun."""
     common = ["--steps", "60", "--ckpt-interval", "10"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     straight.mkdir(), killed.mkdir()
     run_to_end(straight, 2, common, "straight")
 
-    rng = random.Random(os.environ.get("RESILIENT_TEST_SEED") or random.randrange(1 << 30))
     resumed_from: int | None = None
     for attempt in range(2):
         target = rng.choice([s for s in range((resumed_from or 0) + 3, 55) if s % 10 not in (0, 9)])

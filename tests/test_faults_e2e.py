@@ -14,7 +14,7 @@ import pytest
 
 from supervisor import store
 from tests.proc import started, wait_for
-from tests.test_supervisor_e2e import RUN_TIMEOUT, live_ranks, run_job, state, status
+from tests.runs import RUN_TIMEOUT, live_ranks, run_job, state, status
 
 pytestmark = pytest.mark.slow
 

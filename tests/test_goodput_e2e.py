@@ -12,7 +12,7 @@ import pytest
 
 from supervisor.protocol import StepRecord, read_step_log
 from tests.proc import child_env, started, wait_for
-from tests.test_supervisor_e2e import live_ranks, resilient, run_job, status
+from tests.runs import live_ranks, resilient, run_job, status
 
 pytestmark = pytest.mark.slow
 

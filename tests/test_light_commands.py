@@ -11,12 +11,11 @@ import time
 from supervisor import state
 from supervisor.lock import RunLock
 from tests.ckpt_helpers import flip_byte, truncate, write_checkpoint
-from tests.test_store import zoo  # noqa: F401  (fixture)
 
 INSPECT_FIELDS = {"step", "path", "status", "reason", "size_bytes", "files", "world_size", "created_at"}
 
 
-def test_inspect_json_contract_and_statuses(zoo, cli):  # noqa: F811
+def test_inspect_json_contract_and_statuses(zoo, cli):
     r = cli("inspect-checkpoint", zoo, "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
@@ -31,14 +30,14 @@ def test_inspect_json_contract_and_statuses(zoo, cli):  # noqa: F811
     assert by_step[(70, True)]["status"] == "incomplete"
 
 
-def test_inspect_verify_finds_the_flipped_byte(zoo, cli):  # noqa: F811
+def test_inspect_verify_finds_the_flipped_byte(zoo, cli):
     doc = json.loads(cli("inspect-checkpoint", zoo, "--verify", "--json").stdout)
     assert doc["latest_valid_step"] == 10
     s40 = next(c for c in doc["checkpoints"] if c["step"] == 40)
     assert s40["status"] == "corrupt" and "checksum mismatch" in s40["reason"]
 
 
-def test_inspect_exit_codes_follow_the_contract(zoo, cli, tmp_path):  # noqa: F811
+def test_inspect_exit_codes_follow_the_contract(zoo, cli, tmp_path):
     assert cli("inspect-checkpoint", zoo, "--step", "40").exit_code == 0
     assert cli("inspect-checkpoint", zoo, "--step", "40", "--verify").exit_code == 1
     assert cli("inspect-checkpoint", zoo, "--step", "30").exit_code == 1
@@ -52,7 +51,7 @@ def test_inspect_exit_codes_follow_the_contract(zoo, cli, tmp_path):  # noqa: F8
     assert cli("inspect-checkpoint", tmp_path / "missing").exit_code == 2
 
 
-def test_inspect_table_names_each_reason(zoo, cli):  # noqa: F811
+def test_inspect_table_names_each_reason(zoo, cli):
     r = cli("inspect-checkpoint", zoo)
     assert "latest valid: step 40" in r.stdout
     for words in ("no completion marker", "(truncated)", "not valid JSON", "unlisted file notes.txt",
@@ -60,7 +59,7 @@ def test_inspect_table_names_each_reason(zoo, cli):  # noqa: F811
         assert words in r.stdout, words
 
 
-def test_gc_keep_1_keeps_newest_valid_even_with_newer_invalid(zoo, cli):  # noqa: F811
+def test_gc_keep_1_keeps_newest_valid_even_with_newer_invalid(zoo, cli):
     dry = json.loads(cli("gc", zoo, "--keep", "1", "--dry-run", "--json").stdout)
     assert dry["dry_run"] and dry["kept"] == [40]
     assert len(os.listdir(zoo)) == 7, "--dry-run deletes nothing"
@@ -168,7 +167,7 @@ def test_importing_the_cli_does_not_import_torch():
     assert not {m for m in modules if m == "torch" or m.startswith("torch.")}
 
 
-def test_light_commands_never_import_torch(zoo, tmp_path):  # noqa: F811
+def test_light_commands_never_import_torch(zoo, tmp_path):
     _state_file(tmp_path, state=state.RunState.SUCCEEDED)
     code = (
         "import sys\nfrom supervisor.cli import app\n"

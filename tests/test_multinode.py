@@ -19,7 +19,7 @@ import pytest
 from supervisor import store
 from tests.ckpt_helpers import flip_byte
 from tests.proc import Proc, free_port, wait_for
-from tests.test_supervisor_e2e import resilient
+from tests.runs import resilient
 
 pytestmark = pytest.mark.slow
 

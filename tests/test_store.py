@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
 from supervisor import retention, store
 from supervisor.store import Status
-from tests.ckpt_helpers import flip_byte, truncate, write_checkpoint
+from tests.ckpt_helpers import truncate, write_checkpoint
 
 
 def test_layout_names_are_zero_padded_and_partials_never_match():
@@ -67,21 +66,6 @@ def test_begin_removes_a_dead_writers_partial_but_not_a_live_one(tmp_path):
     fresh = store.begin(tmp_path, 30)
     assert list(fresh.path.iterdir()) == [fresh.path / store.WRITER_LOCK]
     fresh.close()
-
-
-@pytest.fixture
-def zoo(tmp_path) -> Path:
-    """Every kind of folder the acceptance line names, each made by the writer API then damaged."""
-    root = tmp_path / "ckpt"
-    write_checkpoint(root, 10)                                   # valid
-    no_marker = write_checkpoint(root, 20)                       # valid until its marker goes
-    os.unlink(no_marker / store.MARKER)
-    truncate(write_checkpoint(root, 30) / "__1_0.distcp")        # truncated shard
-    flip_byte(write_checkpoint(root, 40) / "__0_0.distcp")       # flipped byte: valid unless verified
-    (write_checkpoint(root, 50) / store.MARKER).write_text("{not json")  # garbage marker
-    (write_checkpoint(root, 60) / "notes.txt").write_text("x")   # unlisted extra file
-    write_checkpoint(root, 70, commit=False)                     # abandoned partial save
-    return root
 
 
 def test_every_status_and_reason(zoo):

@@ -5,10 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,51 +15,13 @@ import pytest
 
 from supervisor import store
 from supervisor.protocol import CommitRecord, SaveRecord, read_step_log
-from tests.ckpt_helpers import truncate
+from tests.ckpt_helpers import assert_same_training_state, truncate
 from tests.proc import REPO, Proc, child_env, started, wait_for
+from tests.runs import JOB, RUN_TIMEOUT, live_ranks, resilient, run_job, state, status
 
 pytestmark = pytest.mark.slow
 
-JOB = REPO / "jobs" / "tiny-cpu.yaml"
-RUN_TIMEOUT = 240
-
-
-def resilient(*args: object) -> list[str]:
-    return [sys.executable, "-m", "supervisor", *map(str, args)]
-
-
-def run_job(run_dir: Path, *sets: str, steps: int = 120, sleep: float = 0.03, extra_args: tuple = ()) -> list[str]:
-    entry = ["--steps", str(steps), "--device", "cpu", "--test-sleep-per-step", str(sleep), *extra_args]
-    argv = resilient("run", JOB, "--run-dir", run_dir, "--set", "checkpoint.interval_steps=20",
-                     "--set", "restart.backoff_s=0.2", "--set", f"entrypoint.args={json.dumps(entry)}")
-    for s in sets:
-        argv += ["--set", s]
-    return argv
-
-
-def status(run_dir: Path) -> dict:
-    out = subprocess.run(resilient("status", run_dir, "--json"), capture_output=True, text=True, env=child_env())
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
-
-def state(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "state.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def live_ranks(run_dir: Path, min_step: int = 0) -> list[dict]:
-    s = state(run_dir)
-    ranks = [r for r in s.get("ranks", []) if r.get("alive") and r.get("phase") == "train"]
-    if s.get("state") == "running" and len(ranks) == 2 and min(r["step"] for r in ranks) >= min_step:
-        return ranks
-    return []
-
-
-def test_sigkill_of_a_random_worker_at_a_random_moment(tmp_path):
-    rng = random.Random(os.environ.get("RESILIENT_TEST_SEED") or random.randrange(1 << 30))
+def test_sigkill_of_a_random_worker_at_a_random_moment(tmp_path, rng):
     run_dir = tmp_path / "run"
     kill_after = rng.uniform(0.0, 2.5)
     with started(run_job(run_dir), tmp_path, log=tmp_path / "sup.log") as sup:
@@ -231,8 +191,6 @@ def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path
 def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
     """Two SIGKILLs: attempt 3's ranks are forks of the prewarm server, and the final model and optimizer
     equal those of an uninterrupted run, tensor by tensor; every checkpoint written verifies byte for byte."""
-    from tests.test_entry import assert_same_training_state
-
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     with started(run_job(straight, steps=160), tmp_path, log=tmp_path / "straight.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]

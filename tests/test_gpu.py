@@ -1,0 +1,83 @@
+"""The real path on CUDA with NCCL. Skipped where CUDA is absent; the only tests that use a GPU.
+
+On a CUDA machine whose Python already has a CUDA torch: `bash bench/gpu_check.sh` (prints the GPU, torch,
+CUDA and NCCL versions, runs these, then the GPT-2-small job), or `python -m pytest -m gpu`. One rank on one
+GPU; two ranks where two GPUs exist (NCCL refuses two ranks on one GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from supervisor import store
+from supervisor.protocol import CommitRecord, SaveRecord, read_step_log
+from tests.ckpt_helpers import assert_same_training_state
+from tests.proc import child_env, started, wait_for
+from tests.runs import RUN_TIMEOUT, live_ranks, rank_log, resilient, run_job, state, status
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU tests)")]
+
+NPROC = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+
+
+def gpu_job(run_dir, steps: int) -> list[str]:
+    return run_job(run_dir, f"nproc_per_node={NPROC}", "checkpoint.verify=checksum", steps=steps, sleep=0.0,
+                   device="cuda", extra_args=("--n-layer", "4", "--n-embd", "256", "--batch", "32"))
+
+
+def test_host_staging_is_pinned_allocated_once_and_a_snapshot():
+    from train_entry.staging import HostStager
+
+    live = {"w": torch.randn(1024, 256, device="cuda"), "opt": [{"m": torch.ones(7, device="cuda")}], "n": 3}
+    stager = HostStager(pin_memory=True)
+    first = stager.stage(live)
+    assert first["w"].device.type == "cpu" and first["w"].is_pinned() and first["n"] == 3
+    assert torch.equal(first["w"], live["w"].cpu()) and torch.equal(first["opt"][0]["m"], live["opt"][0]["m"].cpu())
+    buffer = first["w"].data_ptr()
+    live["w"].add_(1.0)  # training goes on: the staged copy must not move until the next stage()
+    assert not torch.equal(first["w"], live["w"].cpu())
+    second = stager.stage(live)
+    assert second["w"].data_ptr() == buffer and stager.allocations == 1
+    assert torch.equal(second["w"], live["w"].cpu())
+    live["w"] = torch.randn(512, 256, device="cuda")  # a new layout reallocates
+    stager.stage(live)
+    assert stager.allocations == 2
+
+
+def test_nccl_run_survives_two_sigkills_resumes_bitwise_exact_and_verifies(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    with started(gpu_job(straight, 160), tmp_path, log=tmp_path / "straight.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    log0 = rank_log(straight, 1, 0)
+    assert "(nccl)" in log0 and "on cuda:0" in log0, log0[-2000:]
+    # Every save of the uninterrupted run came from one process per rank, async, into pinned buffers
+    # allocated once.
+    records = read_step_log(straight / "steps" / "attempt_1.jsonl")
+    saves = [r.step for r in records if isinstance(r, SaveRecord)]
+    assert saves == [r.step for r in records if isinstance(r, CommitRecord)] == list(range(20, 161, 20))
+    assert log0.count("staging buffers allocated") == 1 and "of pinned host memory" in log0
+
+    def attempt_ranks(attempt: int, min_step: int = 0) -> list[dict]:
+        return live_ranks(killed, min_step, nproc=NPROC) if state(killed).get("attempt") == attempt else []
+
+    with started(gpu_job(killed, 160), tmp_path, log=tmp_path / "killed.log") as sup:
+        for attempt, at_step in ((1, 30), (2, 70)):
+            ranks = wait_for(lambda a=attempt, s=at_step: attempt_ranks(a, s), 180, f"attempt {attempt} training")
+            os.kill(ranks[-1]["pid"], signal.SIGKILL)
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    assert [h["reason"] for h in status(killed)["history"]] == ["worker_signal", "worker_signal", "finished"]
+    a, b = store.latest_valid(straight / "checkpoints"), store.latest_valid(killed / "checkpoints")
+    assert a.step == b.step == 160
+    assert_same_training_state(a.path, b.path)
+    verify = subprocess.run(resilient("inspect-checkpoint", killed, "--verify", "--json"), capture_output=True,
+                            text=True, env=child_env(), timeout=120)
+    doc = json.loads(verify.stdout)
+    assert verify.returncode == 0 and doc["verified"] and {c["status"] for c in doc["checkpoints"]} == {"valid"}
