@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, on a CUDA machine whose Python already has a CUDA torch (no network needed):
+#
+#     bash bench/gpu_check.sh [OUT_DIR]
+#
+# Installs the project beside that torch without touching it (--no-deps; falls back to running from the
+# checkout), prints the GPU, driver, torch, CUDA and NCCL versions, runs the GPU tests (tests/test_gpu.py), then
+# the GPT-2-small job (jobs/gpu-small.yaml) under `resilient run` with two SIGKILLs (bench/gpu_small.py).
+# Everything it prints also lands in OUT_DIR (default bench/results/gpu).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-${OUT:-bench/results/gpu}}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  python3 -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| NCCL', '.'.join(map(str, torch.cuda.nccl.version())), '| GPUs', torch.cuda.device_count())"
+} 2>&1 | tee "$out/versions.txt"
+python3 -m pytest -m gpu -p no:cacheprovider -v -rs 2>&1 | tee "$out/gpu_tests.txt"
+tests=${PIPESTATUS[0]}
+python3 bench/gpu_small.py --out "$out" 2>&1 | tee "$out/gpu_small.txt"
+small=${PIPESTATUS[0]}
+echo "gpu tests: exit $tests; GPT-2-small job: exit $small"
+exit $(( tests || small ))

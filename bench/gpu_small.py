@@ -1,0 +1,130 @@
+"""The GPT-2-small job (jobs/gpu-small.yaml: 12 layers, width 768, vocab 50304, batch 32 x 512, one GPU, async
+saves every 100 steps, `verify: checksum`) under `resilient run`, SIGKILLed twice, to the end.
+
+    python bench/gpu_small.py [--out DIR] [--kill-at 150,380] [--set KEY=VALUE ...]
+
+Prints and writes (DIR/gpu_small.json): the step time, each save's blocking time and persist time, each kill's
+recovery (SIGKILL -> first step of the relaunched rank, and -> first step past the one it died at), the run's
+history and exit code, and `inspect-checkpoint --verify` over what it wrote. `--set` goes to `resilient run`
+(e.g. a CPU smoke test: --set 'entrypoint.args=[--steps, "60", --device, cpu]' --kill-at 15,40).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from supervisor.protocol import CommitRecord, SaveRecord, StepRecord, read_step_log  # noqa: E402
+
+
+def state(run_dir: Path) -> dict:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((run_dir / "state.json").read_text())
+    return {}
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := pred():
+            return value
+        time.sleep(0.05)
+    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def training_rank(run_dir: Path, attempt: int, min_step: int) -> dict | None:
+    s = state(run_dir)
+    ranks = [r for r in s.get("ranks", []) if r.get("alive") and r.get("phase") in ("train", "save")]
+    if s.get("attempt") == attempt and ranks and min(r["step"] for r in ranks) >= min_step:
+        return ranks[0]
+    return None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--job", default=str(REPO / "jobs" / "gpu-small.yaml"))
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu"))
+    p.add_argument("--kill-at", default="150,380", help="the steps (attempt 1, attempt 2) to SIGKILL rank 0 at")
+    p.add_argument("--set", dest="sets", action="append", default=[])
+    p.add_argument("--timeout", type=float, default=560.0, help="give up after this many seconds")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kill_at = [int(s) for s in args.kill_at.split(",")]
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu-small-")) / "run"
+    argv = [sys.executable, "-m", "supervisor", "run", args.job, "--run-dir", str(run_dir)]
+    for s in args.sets:
+        argv += ["--set", s]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    console = out / "gpu_small_console.log"
+    started = time.monotonic()
+    kills: list[dict] = []
+    with open(console, "wb") as log:
+        sup = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            for attempt, step in enumerate(kill_at, start=1):
+                rank = wait_for(lambda a=attempt, s=step: training_rank(run_dir, a, s),
+                                args.timeout - (time.monotonic() - started), f"attempt {attempt} at step {step}")
+                kills.append({"attempt": attempt, "pid": rank["pid"], "step": rank["step"], "t": time.time()})
+                os.kill(rank["pid"], signal.SIGKILL)
+                print(f"SIGKILL rank 0 (pid {rank['pid']}) of attempt {attempt} at step {rank['step']}", flush=True)
+            code = sup.wait(timeout=max(1.0, args.timeout - (time.monotonic() - started)))
+        except (subprocess.TimeoutExpired, SystemExit) as e:
+            print(f"giving up: {e}", flush=True)
+            code = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(sup.pid, signal.SIGKILL)
+            with contextlib.suppress(psutil.Error):
+                psutil.wait_procs([psutil.Process(sup.pid)], timeout=10)
+    s = state(run_dir)
+    report: dict = {"exit_code": code, "wall_s": round(time.monotonic() - started, 1),
+                    "history": [{k: h.get(k) for k in ("attempt", "reason", "resumed_from_step", "step_at_failure")}
+                                for h in s.get("history", [])]}
+    logs = {h["attempt"]: read_step_log(run_dir / "steps" / f"attempt_{h['attempt']}.jsonl")
+            for h in s.get("history", [])}
+    steps = [r for recs in logs.values() for r in recs if isinstance(r, StepRecord)]
+    gaps = [b.t - a.t for a, b in itertools.pairwise(steps) if b.step == a.step + 1]
+    report["step_s_median"] = round(statistics.median(gaps), 4) if gaps else None
+    report["saves"] = [{"step": r.step, "blocking_s": r.blocking_s} for recs in logs.values() for r in recs
+                       if isinstance(r, SaveRecord)]
+    report["commits"] = [{"step": r.step, "persist_s": r.persist_s, "gb": round(r.bytes / 1e9, 3)}
+                         for recs in logs.values() for r in recs if isinstance(r, CommitRecord)]
+    for k in kills:
+        nxt = [r for r in logs.get(k["attempt"] + 1, []) if isinstance(r, StepRecord)]
+        if nxt:
+            k["to_first_step_s"] = round(nxt[0].t - k["t"], 2)
+            past = [r for r in nxt if r.step > k["step"]]
+            k["to_step_past_the_kill_s"] = round(past[0].t - k["t"], 2) if past else None
+    report["kills"] = kills
+    t0 = time.monotonic()
+    verify = subprocess.run([sys.executable, "-m", "supervisor", "inspect-checkpoint", str(run_dir), "--verify",
+                             "--json"], capture_output=True, text=True, env=env)
+    with contextlib.suppress(ValueError):
+        doc = json.loads(verify.stdout)
+        report["verify"] = {"exit_code": verify.returncode, "seconds": round(time.monotonic() - t0, 2),
+                            "checkpoints": {c["step"]: c["status"] for c in doc["checkpoints"]}}
+    (out / "gpu_small.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    ok = code == 0 and len(kills) == len(kill_at) and report.get("verify", {}).get("exit_code") == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
