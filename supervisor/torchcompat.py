@@ -7,14 +7,14 @@ never by the supervisor's own process or the light commands.
 
 Measured differences across the supported range (README, "Supported torch"):
 
-- torchrun's parser: `--shutdown-timeout` is newer than our floor. Options we pass only to tune torchrun
-  are dropped when its parser does not know them (`torchrun_args`); anything else still reaches torchrun,
-  which refuses what it does not know as a configuration error.
-- torch.save's zip CRC32: older torch has no switch for it (`skip_zip_crc32` then does nothing; the store's
+- torchrun's parser: `--shutdown-timeout` is absent in 2.7, 2.8 and 2.11 (present in 2.13). Options we
+  pass only to tune torchrun are dropped when its parser does not know them (`torchrun_args`); anything else
+  still reaches torchrun, which refuses what it does not know as a configuration error.
+- torch.save's zip CRC32: 2.7 has no switch for it (`skip_zip_crc32` then does nothing; the store's
   manifest checksums every file either way).
 - `dcp.save`'s return value: some releases fill `Metadata.storage_data`, some leave it None. We never read
   it: the files a rank wrote are what our writer recorded (train_entry/checkpoint.py).
-- DCP's `DefaultStager`: absent at the floor, and on some releases a reused stager fails its second
+- DCP's `DefaultStager`: absent in 2.7 and 2.8, and on some releases a reused stager fails its second
   `stage()` (KeyError: <class 'type'>). We stage into our own buffers (train_entry/staging.py), which need
   only `dtensor_like` from here.
 """

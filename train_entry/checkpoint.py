@@ -170,7 +170,13 @@ class Checkpointer:
         return blocking
 
     def _stage(self, sd: dict[str, Any]) -> dict[str, Any]:
-        return self._stager.stage(sd)
+        allocations = self._stager.allocations
+        staged = self._stager.stage(sd)
+        if self._stager.allocations != allocations:
+            log.info("staging buffers allocated: %.1f MB of %s host memory, reused by the next saves while the "
+                     "state keeps its layout", self._stager.nbytes / 1e6,
+                     "pinned" if self._stager.pin_memory else "pageable")
+        return staged
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; raise CheckpointError if it failed."""
