@@ -1,8 +1,9 @@
 """Retention: which checkpoint folders `gc` and the supervisor may delete, and deleting them.
 
 Rules: keep the N newest valid checkpoints and never the newest valid one; remove older valid ones and
-invalid folders; remove a partial save only when no live writer can own it (its writer lock is free, and
-either no supervisor holds the run dir or the partial is older than the newest valid checkpoint).
+invalid folders, never a quarantined one (evidence the supervisor set aside); remove a partial save only when
+no live writer can own it (its writer lock is free, and either no supervisor holds the run dir or the
+partial is older than the newest valid checkpoint).
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
         if info.path in kept_paths:
             continue
         older = newest_valid is not None and info.step < newest_valid
-        if info.valid:
+        if info.quarantined:
+            spared.append((info, "quarantined: resilient never deletes it; remove it by hand once understood"))
+        elif info.valid:
             remove.append(Removal(info.path, info.step, info.size_bytes, f"older than the {keep} newest valid"))
         elif info.partial:
             pid = store.writer_alive(info.path)

@@ -7,6 +7,8 @@ Layout under a checkpoint root::
         COMPLETE.json                the completion marker: manifest of every file, size and checksum
     step_000000060.partial/          a save in progress, or abandoned; never a checkpoint
         .writer.lock                 flock-ed by the committing writer while the save is live
+    step_000000070.quarantined/      a checkpoint set aside: corrupt, or whole yet unloadable; never resumed
+        QUARANTINE.json              from, never deleted by resilient (the user removes it)
 
 Writing protocol (`begin` → every rank writes and `describe_files` its own files → rank 0 `commit`):
 
@@ -16,8 +18,10 @@ Writing protocol (`begin` → every rank writes and `describe_files` its own fil
    writes the marker last (temp, fsync, rename, fsync of the folder), renames the folder to `step_<N>`
    and fsyncs the root.
 
-A checkpoint is valid only when its marker parses and every listed file is present with its recorded
-size (and checksum, for a deep check), with nothing unlisted beside them. This module never imports torch.
+A checkpoint is valid only when its marker parses (and matches its own checksum) and every listed file is
+present with its recorded size, with nothing unlisted beside them; the small files that make a checkpoint
+loadable (DCP's `.metadata`, anything up to SMALL_FILE_BYTES) must also match their checksums, in every
+mode, and a deep check reads every byte. This module never imports torch.
 """
 
 from __future__ import annotations
@@ -51,6 +55,12 @@ PARTIAL_SUFFIX = ".partial"
 TRASH_PREFIX = ".trash."
 STEP_RE = re.compile(r"^step_(\d{9})$")
 PARTIAL_RE = re.compile(r"^step_(\d{9})\.partial$")
+QUARANTINE_SUFFIX = ".quarantined"
+QUARANTINE_RE = re.compile(r"^step_(\d{9})\.quarantined(?:\.(\d+))?$")
+QUARANTINE_FILE = "QUARANTINE.json"
+# Files this small are checksummed by every check, not only a deep one: reading them costs nothing, and
+# DCP's .metadata (a few KB to MB) is read first by every load, so one flipped byte there fails every rank.
+SMALL_FILE_BYTES = 1 << 20
 CHECKSUM_ALGORITHM = "xxh3_128"  # fastest measured here: bench/checksums.py
 CHUNK = 8 << 20
 
@@ -161,6 +171,7 @@ class Manifest:
             "files": [f.to_dict() for f in self.files],
             "extra": self.extra,
         }
+        doc["marker_checksum"] = _marker_checksum(doc, self.checksum_algorithm)
         return (json.dumps(doc, indent=1) + "\n").encode()
 
     @classmethod
@@ -174,6 +185,13 @@ class Manifest:
             raise ValueError("not a resilient completion marker")
         if doc.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"schema_version {doc.get('schema_version')!r} is not {SCHEMA_VERSION}")
+        recorded = doc.pop("marker_checksum", None)  # absent in markers written before it existed
+        try:
+            if recorded is not None and recorded != _marker_checksum(doc, str(doc.get("checksum_algorithm"))):
+                raise ValueError("does not match its own checksum (a changed byte)")
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e) if "own checksum" in str(e) else f"its own checksum cannot be computed ({e})") \
+                from None
         try:
             files = tuple(FileRecord(str(f["name"]), int(f["size"]), str(f["checksum"]))
                           for f in doc["files"])
@@ -191,6 +209,13 @@ class Manifest:
         if any(f.name in ("", ".", "..") or "/" in f.name or f.size < 0 for f in files):
             raise ValueError("lists a file name or size that cannot be right")
         return manifest
+
+
+def _marker_checksum(doc: dict[str, Any], algorithm: str) -> str:
+    """The marker's checksum of itself: over its canonical JSON without this field."""
+    h = _hasher(algorithm)
+    h.update(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+    return h.hexdigest()
 
 
 def iso(ts: float) -> str:
@@ -378,6 +403,7 @@ class CheckpointInfo:
     created_at: float | None = None
     partial: bool = False
     manifest: Manifest | None = None
+    quarantined: bool = False
 
     @property
     def valid(self) -> bool:
@@ -394,6 +420,7 @@ class CheckpointInfo:
             "world_size": self.world_size,
             "created_at": iso(self.created_at) if self.created_at is not None else None,
             "partial": self.partial,
+            "quarantined": self.quarantined,
             "checksum_algorithm": self.manifest.checksum_algorithm if self.manifest else None,
             "extra": self.manifest.extra if self.manifest else {},
         }
@@ -404,33 +431,36 @@ def _entries(folder: Path) -> dict[str, os.stat_result]:
 
 
 def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress | None = None) -> CheckpointInfo:
-    """Validate one checkpoint folder (committed or partial).
+    """Validate one checkpoint folder (committed, partial or quarantined).
 
     Args:
-        path: a `step_<N>` or `step_<N>.partial` folder.
-        deep: also re-read every byte against the recorded checksums.
+        path: a `step_<N>`, `step_<N>.partial` or `step_<N>.quarantined` folder.
+        deep: also re-read every byte against the recorded checksums (small files are checksummed always).
         progress: called with byte counts while reading, for a progress bar.
     """
     path = Path(path)
-    m = STEP_RE.match(path.name) or PARTIAL_RE.match(path.name)
+    m = STEP_RE.match(path.name) or PARTIAL_RE.match(path.name) or QUARANTINE_RE.match(path.name)
     if m is None:
         raise ValueError(f"{path.name} is not a checkpoint folder name (step_<9 digits>)")
     step = int(m.group(1))
     partial = path.name.endswith(PARTIAL_SUFFIX)
+    quarantined = QUARANTINE_RE.match(path.name) is not None
     try:
         entries = _entries(path)
     except OSError as e:
         return CheckpointInfo(step, path, Status.CORRUPT, f"cannot list the folder ({e.strerror})", 0, 0,
-                              partial=partial)
+                              partial=partial, quarantined=quarantined)
     size = sum(st.st_size for st in entries.values())
-    nfiles = sum(1 for n in entries if n not in (MARKER, WRITER_LOCK))
+    nfiles = sum(1 for n in entries if n not in (MARKER, WRITER_LOCK, QUARANTINE_FILE))
     mtime = path.stat().st_mtime
 
     def result(status: Status, reason: str, manifest: Manifest | None = None) -> CheckpointInfo:
         return CheckpointInfo(step, path, status, reason, size, nfiles,
                               manifest.world_size if manifest else None,
-                              manifest.created_at if manifest else mtime, partial, manifest)
+                              manifest.created_at if manifest else mtime, partial, manifest, quarantined)
 
+    if quarantined:
+        return result(Status.CORRUPT, f"quarantined: {quarantine_reason(path)}")
     if partial:
         pid = writer_alive(path)
         if pid is not None:
@@ -459,30 +489,64 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
     if unlisted:
         return result(Status.CORRUPT, f"unlisted file {unlisted[0]}" +
                       (f" and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""), manifest)
+    to_read = manifest.files if deep else [f for f in manifest.files if f.size <= SMALL_FILE_BYTES]
+    for f in to_read:
+        try:
+            digest = checksum_file(path / f.name, manifest.checksum_algorithm, progress)
+        except ValueError as e:
+            return result(Status.CORRUPT, f"cannot verify: {e}", manifest)
+        except OSError as e:
+            return result(Status.CORRUPT, f"{f.name} cannot be read ({e.strerror})", manifest)
+        if digest != f.checksum:
+            return result(Status.CORRUPT, f"{f.name} checksum mismatch ({manifest.checksum_algorithm})",
+                          manifest)
     if deep:
-        for f in manifest.files:
-            try:
-                digest = checksum_file(path / f.name, manifest.checksum_algorithm, progress)
-            except ValueError as e:
-                return result(Status.CORRUPT, f"cannot verify: {e}", manifest)
-            except OSError as e:
-                return result(Status.CORRUPT, f"{f.name} cannot be read ({e.strerror})", manifest)
-            if digest != f.checksum:
-                return result(Status.CORRUPT, f"{f.name} checksum mismatch ({manifest.checksum_algorithm})",
-                              manifest)
         return result(Status.VALID, f"all {len(manifest.files)} files match their checksums", manifest)
-    return result(Status.VALID, f"marker and all {len(manifest.files)} file sizes match", manifest)
+    small = f", {len(to_read)} small file(s) checksummed" if to_read else ""
+    return result(Status.VALID, f"marker and all {len(manifest.files)} file sizes match{small}", manifest)
 
 
-def checkpoint_dirs(root: str | os.PathLike) -> list[Path]:
-    """Committed-name and partial folders under `root`, by step (partial after committed), oldest first."""
+def quarantine_reason(path: str | os.PathLike) -> str:
+    """Why a quarantined folder was set aside (from its QUARANTINE.json)."""
+    try:
+        doc = json.loads((Path(path) / QUARANTINE_FILE).read_bytes())
+        return str(doc["reason"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "set aside (its QUARANTINE.json is missing or unreadable)"
+
+
+def quarantine(path: str | os.PathLike, reason: str) -> Path:
+    """Set a committed checkpoint aside for good: rename it to `step_<N>.quarantined` (`.2`, ... if taken) and
+    record why inside it. Never deletes anything. Returns the new folder.
+
+    Raises:
+        OSError: if the rename fails (e.g. the folder is gone: another node quarantined it first).
+    """
+    path = Path(path)
+    target = path.with_name(path.name + QUARANTINE_SUFFIX)
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{QUARANTINE_SUFFIX}.{n}")
+    os.rename(path, target)
+    fsync_dir(path.parent)
+    doc = {"reason": reason, "at": iso(time.time()), "was": path.name, "by": {"pid": os.getpid(),
+                                                                            "host": socket.gethostname()}}
+    atomic_write_bytes(target / QUARANTINE_FILE, (json.dumps(doc, indent=1) + "\n").encode())
+    return target
+
+
+def checkpoint_dirs(root: str | os.PathLike, *, quarantined: bool = False) -> list[Path]:
+    """Committed-name and partial folders under `root` (and quarantined ones if asked), by step, oldest first;
+    for one step: committed, then partial, then quarantined."""
     root = Path(root)
     found = []
     for e in os.scandir(root):
-        m = STEP_RE.match(e.name) or PARTIAL_RE.match(e.name)
-        if m and e.is_dir(follow_symlinks=False):
-            found.append((int(m.group(1)), e.name.endswith(PARTIAL_SUFFIX), root / e.name))
-    return [p for _, _, p in sorted(found)]
+        kind = 0 if STEP_RE.match(e.name) else 1 if PARTIAL_RE.match(e.name) else 2 \
+            if quarantined and QUARANTINE_RE.match(e.name) else None
+        if kind is not None and e.is_dir(follow_symlinks=False):
+            found.append((int(e.name[5:14]), kind, e.name, root / e.name))
+    return [p for *_, p in sorted(found)]
 
 
 def trash_dirs(root: str | os.PathLike) -> list[Path]:
@@ -490,9 +554,10 @@ def trash_dirs(root: str | os.PathLike) -> list[Path]:
     return [Path(e.path) for e in os.scandir(root) if e.name.startswith(TRASH_PREFIX) and e.is_dir()]
 
 
-def scan(root: str | os.PathLike, *, deep: bool = False, progress: Progress | None = None) -> list[CheckpointInfo]:
-    """Validate every checkpoint folder under `root`, oldest first."""
-    return [inspect(p, deep=deep, progress=progress) for p in checkpoint_dirs(root)]
+def scan(root: str | os.PathLike, *, deep: bool = False, progress: Progress | None = None,
+         quarantined: bool = False) -> list[CheckpointInfo]:
+    """Validate every checkpoint folder under `root` (quarantined ones too if asked), oldest first."""
+    return [inspect(p, deep=deep, progress=progress) for p in checkpoint_dirs(root, quarantined=quarantined)]
 
 
 def latest_valid(root: str | os.PathLike, *, deep: bool = False, below: int | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 from pathlib import Path
 
 os.environ["COLUMNS"] = "200"
@@ -61,8 +62,24 @@ def zoo(tmp_path) -> Path:
     no_marker = write_checkpoint(root, 20)                       # valid until its marker goes
     os.unlink(no_marker / store.MARKER)
     truncate(write_checkpoint(root, 30) / "__1_0.distcp")        # truncated shard
-    flip_byte(write_checkpoint(root, 40) / "__0_0.distcp")       # flipped byte: valid unless verified
+    flip_byte(write_checkpoint(root, 35) / ".metadata", 3)       # flipped byte in a small file: always found
+    big = write_checkpoint(root, 40, size=store.SMALL_FILE_BYTES + 1)
+    flip_byte(big / "__0_0.distcp")                              # flipped byte in a big file: valid unless verified
     (write_checkpoint(root, 50) / store.MARKER).write_text("{not json")  # garbage marker
     (write_checkpoint(root, 60) / "notes.txt").write_text("x")   # unlisted extra file
     write_checkpoint(root, 70, commit=False)                     # abandoned partial save
     return root
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 5 MiB tmpfs: room for two checkpoints of the tiny model, not three."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {out.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -9,7 +9,7 @@ import pytest
 
 from supervisor import retention, store
 from supervisor.store import Status
-from tests.ckpt_helpers import truncate, write_checkpoint
+from tests.ckpt_helpers import flip_byte, truncate, write_checkpoint
 
 
 def test_layout_names_are_zero_padded_and_partials_never_match():
@@ -74,7 +74,8 @@ def test_every_status_and_reason(zoo):
         (10, False): (Status.VALID, "sizes match"),
         (20, False): (Status.INCOMPLETE, "no completion marker"),
         (30, False): (Status.CORRUPT, "__1_0.distcp is 4087 bytes, manifest says 4097 (truncated)"),
-        (40, False): (Status.VALID, "sizes match"),
+        (35, False): (Status.CORRUPT, ".metadata checksum mismatch"),
+        (40, False): (Status.VALID, "sizes match, 1 small file(s) checksummed"),
         (50, False): (Status.CORRUPT, "completion marker is unreadable: not valid JSON"),
         (60, False): (Status.CORRUPT, "unlisted file notes.txt"),
         (70, True): (Status.INCOMPLETE, "partial save, never committed"),
@@ -112,10 +113,10 @@ def test_retention_keeps_newest_valid_and_spares_live_partials(zoo):
     p = retention.plan(zoo, infos, keep=1, owner_alive=False)
     assert [i.step for i in p.kept] == [40]
     removed = {r.step for r in p.remove}
-    assert removed == {10, 20, 30, 50, 60, 70}
+    assert removed == {10, 20, 30, 35, 50, 60, 70}
     # With a live supervisor, the partial and the invalid folders newer than the newest valid stay.
     p = retention.plan(zoo, infos, keep=1, owner_alive=True)
-    assert {r.step for r in p.remove} == {10, 20, 30}
+    assert {r.step for r in p.remove} == {10, 20, 30, 35}
     assert {c.step for c, _ in p.spared} == {50, 60, 70}
     with pytest.raises(ValueError):
         retention.plan(zoo, infos, keep=0, owner_alive=False)
@@ -130,3 +131,44 @@ def test_retention_never_touches_a_partial_with_a_live_writer(tmp_path):
     p = retention.plan(tmp_path, store.scan(tmp_path), keep=1, owner_alive=True)
     assert [r.step for r in p.remove] == [0]
     assert retention.apply(p) > 0 and not live.path.exists()
+
+
+def test_a_changed_byte_inside_the_marker_that_keeps_it_valid_json_is_found(tmp_path):
+    final = write_checkpoint(tmp_path, 10)
+    marker = final / store.MARKER
+    text = marker.read_text()
+    marker.write_text(text.replace('"world_size": 2', '"world_size": 3'))  # same length, still JSON
+    info = store.inspect(final)
+    assert info.status is Status.CORRUPT and "own checksum" in info.reason
+
+
+def test_quarantine_renames_aside_with_the_reason_and_nothing_else_sees_it(tmp_path):
+    write_checkpoint(tmp_path, 10)
+    bad = write_checkpoint(tmp_path, 20)
+    flip_byte(bad / ".metadata", 3)
+    moved = store.quarantine(bad, ".metadata checksum mismatch")
+    assert moved.name == "step_000000020.quarantined" and not bad.exists()
+    assert store.latest_valid(tmp_path).step == 10 and [i.step for i in store.scan(tmp_path)] == [10]
+    listed = store.scan(tmp_path, quarantined=True)
+    assert [(i.step, i.quarantined, i.status) for i in listed] == [(10, False, Status.VALID),
+                                                                   (20, True, Status.CORRUPT)]
+    assert listed[1].reason == "quarantined: .metadata checksum mismatch"
+    again = store.quarantine(write_checkpoint(tmp_path, 20), "again")  # the same step set aside twice
+    assert again.name == "step_000000020.quarantined.2" and moved.exists()
+    # Retention never deletes one: it is evidence.
+    plan = retention.plan(tmp_path, store.scan(tmp_path, quarantined=True), keep=1, owner_alive=False)
+    assert {i.path for i, _ in plan.spared} == {moved, again} and plan.remove == []
+
+
+def test_two_runs_cannot_claim_one_checkpoint_root_but_one_runs_nodes_can(tmp_path):
+    from supervisor.errors import RunLockedError
+    from supervisor.lock import RootClaim
+
+    root = tmp_path / "shared-ckpt"
+    first = RootClaim(root, tmp_path / "run-a").acquire()
+    node_b = RootClaim(root, tmp_path / "run-a").acquire()  # another node of the same run
+    with pytest.raises(RunLockedError, match=r"checkpoint root of another live run \(.*run-a"):
+        RootClaim(root, tmp_path / "run-b").acquire()
+    first.release()
+    node_b.release()
+    RootClaim(root, tmp_path / "run-b").acquire().release()  # once the first run is gone, the root is free

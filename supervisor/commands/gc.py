@@ -46,7 +46,7 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool) -> int:
     t = targets.resolve(target)
     if not t.checkpoint_root.is_dir():
         raise UsageError(f"{t.checkpoint_root}: no checkpoint root here (the folder does not exist).")
-    infos = store.scan(t.checkpoint_root)
+    infos = store.scan(t.checkpoint_root, quarantined=True)
     plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=owner_alive(t.run_dir))
     freed = plan.freed_bytes if dry_run else retention.apply(plan)  # dry run: what it would free
     render.emit(GcResult(plan, dry_run, freed), as_json)

@@ -49,7 +49,7 @@ class InspectResult:
                              ("WORLD", "right"), ("CREATED", "left"), ("REASON", "left")):
             table.add_column(col, justify=justify)
         for c in self.checkpoints:
-            name = f"{c.step}" + (" (partial)" if c.partial else "")
+            name = f"{c.step}" + (" (partial)" if c.partial else " (quarantined)" if c.quarantined else "")
             mark = " ◀" if self.selected is not None and c.path == self.selected.path else ""
             table.add_row(name, render.styled(c.status.value), render.human_bytes(c.size_bytes),
                           str(c.files), str(c.world_size or "-"), render.local_time(c.created_at),
@@ -74,7 +74,7 @@ def collect(target: str | None, step: int | None, verify: bool) -> InspectResult
     root = t.checkpoint_root
     if not root.is_dir():
         raise UsageError(f"{root}: no checkpoint root here (the folder does not exist).")
-    dirs = store.checkpoint_dirs(root)
+    dirs = store.checkpoint_dirs(root, quarantined=True)
     if step is not None:
         dirs = [d for d in dirs if int(d.name[5:14]) == step]
         if not dirs:
@@ -90,7 +90,7 @@ def collect(target: str | None, step: int | None, verify: bool) -> InspectResult
             infos = [store.inspect(d, deep=True, progress=lambda n: progress.advance(task, n)) for d in dirs]
     selected = None
     if step is not None:
-        committed = [i for i in infos if not i.partial]
+        committed = [i for i in infos if not i.partial and not i.quarantined]
         selected = (committed or infos)[-1]
     return InspectResult(root, infos, selected, verify)
 
