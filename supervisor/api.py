@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from supervisor.state import RunState
 
@@ -20,13 +21,14 @@ PREEMPTED = "preempted"
 NODE_LOST = "node_lost"
 CONFIG = "config"
 CHECKPOINT_FAILED = "checkpoint_failed"
+CHECKPOINT_LOAD = "checkpoint_load"  # the ranks could not load the handed-over checkpoint (exit 74)
 LAUNCHER_DIED = "launcher_died"
 RENDEZVOUS = "rendezvous"  # torchrun could not form the group (store gone or closed) before any rank ran
 STOPPED = "stopped"  # the supervisor itself was asked to stop (SIGTERM/SIGINT)
 SUPERVISOR_LOST = "supervisor_lost"  # the supervisor died during the attempt (found by the next one)
 
 RETRYABLE = frozenset({WORKER_EXIT, WORKER_SIGNAL, HANG, COLLECTIVE_TIMEOUT, OOM, PREEMPTED, NODE_LOST,
-                       CHECKPOINT_FAILED, LAUNCHER_DIED, RENDEZVOUS})
+                       CHECKPOINT_FAILED, CHECKPOINT_LOAD, LAUNCHER_DIED, RENDEZVOUS})
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class AttemptOutcome:
     exit_code: int | None = None
     step: int | None = None  # the step training had reached (newest heartbeat) when it ended
     log_hint: str | None = None  # the file to look at first
+    checkpoint_step: int | None = None  # CHECKPOINT_LOAD: the checkpoint the ranks failed to load
 
     @property
     def retryable(self) -> bool:
@@ -66,6 +69,8 @@ class Decision:
     relaunch: bool
     wait_s: float = 0.0
     resume_below: int | None = None  # resume from the newest valid checkpoint strictly below this step
+    quarantine_step: int | None = None  # set this checkpoint aside before relaunching (the ranks failed to load it)
+    quarantine: str = ""  # why
     final_state: RunState | None = None
     message: str = ""
     counts_as_restart: bool = True
@@ -78,3 +83,4 @@ class ResumeChoice:
     step: int | None
     path: Path | None
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (folder name, why)
+    corrupt: list[Any] = field(default_factory=list)  # committed folders found corrupt (store.CheckpointInfo)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from supervisor import api
 from supervisor.api import AttemptOutcome
-from supervisor.protocol import EXIT_CONFIG, EXIT_NAN, EXIT_PREEMPTED, Heartbeat
+from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_CONFIG, EXIT_NAN, EXIT_PREEMPTED, Heartbeat
 
 _BLOCK = re.compile(
     r"rank\s*:\s*(?P<rank>-?\d+)\s*\(local_rank:\s*(?P<local>\d+)\)\s*\n"
@@ -163,6 +163,11 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
                               rank, code, step)
     if code == EXIT_NAN:
         return AttemptOutcome(api.NAN, f"{where} saw a non-finite loss near step {step}", rank, code, step)
+    if code == EXIT_CHECKPOINT_LOAD:
+        hb = heartbeats.get(rank)
+        why = (hb.exit_reason if hb and hb.exit_reason else _last_line(log_text)).removeprefix("checkpoint_load: ")
+        return AttemptOutcome(api.CHECKPOINT_LOAD, f"{where} could not load the checkpoint: {why}", rank, code, step,
+                              checkpoint_step=hb.loading_step if hb else None)
     trained = any(hb.first_step_at is not None for hb in heartbeats.values())
     if code == EXIT_CONFIG or (not trained and CONFIG.search(evidence)):
         detail = _last_line(message or log_text) or f"exit code {code}"

@@ -6,7 +6,11 @@
 - `max_restarts` relaunches at most; preemptions the supervisor itself asked for do not count;
 - backoff doubles per consecutive failure without progress, up to `max_backoff_s`;
 - a launch that failed in the rendezvous before any rank ran (a store that closed or vanished while the
-  nodes relaunch) is retried after a short wait without spending the budget, for up to `rendezvous_s`.
+  nodes relaunch) is retried after a short wait without spending the budget, for up to `rendezvous_s`;
+- a checkpoint the ranks could not load is set aside (quarantined) and the run falls back to the next older
+  valid one when a full check finds it corrupt, or when it checks whole yet fails to load twice; the latter
+  once per run, since every checkpoint failing to load says the code or model changed, not the files. The
+  run stops for a bad checkpoint only when no older valid one exists. A fallback is not "no progress".
 """
 
 from __future__ import annotations
@@ -19,6 +23,15 @@ from supervisor.config import RestartConfig
 from supervisor.state import RunState
 
 
+@dataclass(frozen=True)
+class LoadFailure:
+    """What the supervisor found after the ranks failed to load checkpoint `step`."""
+
+    step: int
+    corrupt: str | None  # why a full check failed; None: every byte matches its checksum
+    older_valid: int | None  # the newest valid checkpoint below it
+
+
 @dataclass
 class RestartPolicy:
     cfg: RestartConfig
@@ -28,6 +41,8 @@ class RestartPolicy:
     failures: list[AttemptOutcome] = field(default_factory=list)
     rendezvous_s: float = 600.0
     rendezvous_since: float | None = None  # when the current run of rendezvous failures began
+    load_failures: dict[int, int] = field(default_factory=dict)  # checkpoint step -> failed loads
+    unloadable_set_aside: int = 0  # whole checkpoints set aside because they failed to load twice
 
     def decide_rendezvous(self, outcome: AttemptOutcome, now: float) -> Decision:
         """A launch that never got its ranks started: retry soon, bounded in time, not counted."""
@@ -41,7 +56,7 @@ class RestartPolicy:
                         message=f"rendezvous retry in {wait:.1f}s ({waited:.0f}s of {self.rendezvous_s:.0f}s)")
 
     def decide(self, outcome: AttemptOutcome, *, progressed: bool, newest_valid: int | None,
-               older_valid: int | None) -> Decision:
+               older_valid: int | None, load: LoadFailure | None = None) -> Decision:
         """Decide after a failed attempt.
 
         Args:
@@ -49,10 +64,17 @@ class RestartPolicy:
             progressed: it committed a valid checkpoint newer than the one it started from.
             newest_valid: the newest valid checkpoint now.
             older_valid: the newest valid checkpoint below `newest_valid` (a NaN rollback target).
+            load: for a CHECKPOINT_LOAD outcome, what a full check of that checkpoint found.
         """
         self.rendezvous_since = None
         self.failures.append(outcome)
-        self.no_progress = 0 if progressed else self.no_progress + 1
+        set_aside: tuple[int, str] | None = None
+        if load is not None:
+            verdict = self._unloadable(load, outcome)
+            if isinstance(verdict, Decision):
+                return verdict
+            set_aside = verdict
+        self.no_progress = 0 if progressed else self.no_progress + (0 if set_aside else 1)
         if outcome.reason == api.CONFIG:
             return self._stop(f"a configuration or import error, which a restart cannot fix: {outcome.detail}")
         resume_below = None
@@ -78,8 +100,30 @@ class RestartPolicy:
         self.restarts += 1
         wait = min(self.cfg.max_backoff_s, self.cfg.backoff_s * (2 ** max(0, self.no_progress - 1)))
         left = self.cfg.max_restarts - self.restarts
-        return Decision(True, wait_s=wait, resume_below=resume_below,
-                        message=f"restart {self.restarts}/{self.cfg.max_restarts} ({left} left) in {wait:.1f}s")
+        message = f"restart {self.restarts}/{self.cfg.max_restarts} ({left} left) in {wait:.1f}s"
+        if set_aside is not None:
+            return Decision(True, wait_s=wait, quarantine_step=set_aside[0], quarantine=set_aside[1],
+                            message=f"{message}, from the checkpoint before step {set_aside[0]}")
+        return Decision(True, wait_s=wait, resume_below=resume_below, message=message)
+
+    def _unloadable(self, load: LoadFailure, outcome: AttemptOutcome) -> Decision | tuple[int, str] | None:
+        """Set the checkpoint aside (step, why), try it once more (None), or stop (a Decision)."""
+        failed = self.load_failures[load.step] = self.load_failures.get(load.step, 0) + 1
+        if load.corrupt is not None:
+            why = f"{load.corrupt} (a full check after the ranks failed to load it)"
+        elif failed < 2:
+            return None  # whole: a passing fault (a filesystem hiccup) deserves one more try
+        elif self.unloadable_set_aside >= 1:
+            return self._stop(f"checkpoint step {load.step} checks whole but failed to load twice, as an older "
+                              f"one did before it: the checkpoints no longer match the training code or model "
+                              f"({outcome.detail})")
+        else:
+            why = "every byte checks, but the ranks failed to load it twice"
+            self.unloadable_set_aside += 1
+        if load.older_valid is None:
+            return self._stop(f"checkpoint step {load.step} cannot be used ({why}: {outcome.detail}) and no older "
+                              f"valid checkpoint exists; move it aside to start from step 0")
+        return load.step, f"{why}: {outcome.detail}"
 
     @staticmethod
     def _stop(message: str) -> Decision:

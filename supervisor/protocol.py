@@ -20,6 +20,7 @@ from supervisor.fsutil import atomic_write_json, read_json
 # Exit codes of a rank (documented in the README). torchrun itself exits 1 for any worker failure, so
 # the supervisor reads these from the ranks' last heartbeat and torchrun's failure summary.
 
+EXIT_CHECKPOINT_LOAD = 74  # the handed-over checkpoint could not be loaded (EX_IOERR): the supervisor decides
 EXIT_PREEMPTED = 75  # SIGTERM: stopped at a step boundary, checkpointed if the grace allowed (EX_TEMPFAIL)
 EXIT_NAN = 76  # a non-finite loss: nothing of that step was saved
 EXIT_CONFIG = 78  # bad arguments or environment: retrying cannot help (EX_CONFIG)
@@ -153,6 +154,7 @@ class Heartbeat:
     log_dir: str | None = None
     restart_count: int = 0
     resumed_from: int | None = None  # the step this worker group loaded (None: fresh start)
+    loading_step: int | None = None  # the checkpoint this rank is loading (or failed to load)
     exit_code: int | None = None
     exit_reason: str | None = None
     schema_version: int = HEARTBEAT_SCHEMA

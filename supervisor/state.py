@@ -102,6 +102,7 @@ class RunRecord:
     goodput: float | None = None
     accounting: dict[str, Any] = field(default_factory=dict)
     checkpoint_interval: dict[str, Any] = field(default_factory=dict)
+    quarantined: list[dict[str, Any]] = field(default_factory=list)  # checkpoints set aside: step, path, reason
     message: str | None = None
     updated_at: float = 0.0
 

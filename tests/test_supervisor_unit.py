@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
 from supervisor import api, classify
 from supervisor.config import RestartConfig
 from supervisor.launch import torchrun_argv
-from supervisor.policy import RestartPolicy
-from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat
+from supervisor.policy import LoadFailure, RestartPolicy
+from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat
 from supervisor.state import RunState
 from supervisor.watch import NO_HEARTBEAT, NO_PROGRESS, SILENT, STARTUP, RankWatch
 
@@ -276,27 +277,80 @@ class FakeHandle:
         pass
 
 
-def test_run_builds_the_exact_torchrun_argv(tmp_path, cli, monkeypatch):
+class Recorded:
+    """Stands in for TorchrunProcess: what the real launcher would have started, and a clean exit."""
+
+    started: ClassVar[list[Recorded]] = []
+
+    def __init__(self, argv, env, log_path, cwd=None, zygote=None, forked=None):
+        self.argv, self.env, self.log_path, self.forked = argv, env, log_path, forked
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("")
+        Recorded.started.append(self)
+
+    wait = FakeHandle.wait
+    track, signal_group, signal_ranks, stop, close = (FakeHandle.track, FakeHandle.signal_group,
+                                                      FakeHandle.signal_ranks, FakeHandle.stop, FakeHandle.close)
+    rc = 0
+
+
+class ReadyServer:
+    """A prewarm server that is ready: the launcher forks torchrun from it and routes workers through it."""
+
+    socket = "@resilient-prewarm-test"
+
+    def __init__(self):
+        self.launched: list[list[str]] = []
+
+    def ready(self):
+        return True
+
+    def alive(self):
+        return True
+
+    def launch(self, argv, env, cwd, fds):
+        self.launched.append(argv)
+        return object()
+
+    def close(self):
+        pass
+
+
+def test_run_builds_the_exact_torchrun_argv_cold_and_prewarmed(tmp_path, cli, monkeypatch):
+    """The real TorchrunLauncher builds the argv; only the process start is recorded instead of made."""
+    from supervisor.launch import TorchrunLauncher
+
+    monkeypatch.setenv("RESILIENT_ZYGOTE", "0")
+    monkeypatch.setenv("RESILIENT_PREWARM", "0")
+    monkeypatch.setattr("supervisor.launch.TorchrunProcess", Recorded)
+    monkeypatch.setattr(Recorded, "started", [])
+    launcher = TorchrunLauncher()
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launcher)
     job = tmp_path / "job.yaml"
     job.write_text("name: demo\nentrypoint: {module: train_entry, args: [--steps, 10]}\nnproc_per_node: 2\n"
                    "stop_timeout_s: 15\n")
-    seen: list[tuple[list[str], Handover]] = []
-
-    def launcher(cfg, spec, handover):
-        seen.append((torchrun_argv(cfg, spec), handover))
-        return FakeHandle(spec.logs_dir / "torchrun.log")
-
-    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launcher)
     result = cli("run", job, "--set", "checkpoint.interval_steps=5")
     assert result.exit_code == 0, result.output
-    argv, handover = seen[0]
+    cold = Recorded.started[0]
     logs = tmp_path / "runs/demo/logs/attempt_1"
-    assert argv == [sys.executable, "-m", "supervisor.torchrun", "--nnodes", "1", "--nproc-per-node", "2",
-                    "--standalone", "--max-restarts", "0", "--monitor-interval", "0.1", "--shutdown-timeout", "15",
-                    "--log-dir", str(logs / "ranks"), "--redirects", "3", "-m", "train_entry", "--steps", "10"]
+    assert cold.argv == [sys.executable, "-m", "supervisor.torchrun", "--nnodes", "1", "--nproc-per-node", "2",
+                         "--standalone", "--max-restarts", "0", "--monitor-interval", "0.1", "--shutdown-timeout",
+                         "15", "--log-dir", str(logs / "ranks"), "--redirects", "3", "-m", "train_entry", "--steps",
+                         "10"]
+    handover = Handover.from_env(cold.env)
     assert handover.ckpt_interval == 5 and handover.attempt == 1 and handover.resume_step is None
     assert handover.heartbeat_dir == str(tmp_path / "runs/demo/heartbeats/attempt_1")
+    assert cold.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and cold.forked is None
     assert json.loads((tmp_path / "runs/demo/state.json").read_text())["state"] == "succeeded"
+
+    # Once the prewarm server is ready: torchrun is its fork, and each worker starts through its client.
+    server = launcher._prewarm = ReadyServer()
+    assert cli("run", job, "--set", "entrypoint.args=[--steps, 20]").exit_code == 0
+    warm = Recorded.started[1]
+    assert server.launched == [warm.argv[1:]] and warm.forked is not None
+    assert warm.argv[warm.argv.index("--redirects") + 2:] == ["-m", "supervisor.prewarm_client", "-m", "train_entry",
+                                                              "--steps", "20"]
+    assert warm.env["RESILIENT_PREWARM_SOCKET"] == server.socket
 
 
 def test_multinode_argv_uses_the_rendezvous(tmp_path):
@@ -363,3 +417,58 @@ def test_the_step_at_failure_is_the_last_step_the_group_logged(tmp_path, cli, mo
     doc = json.loads((tmp_path / "runs/demo/state.json").read_text())
     assert doc["history"][0]["step_at_failure"] == 58 and doc["step"] == 58, doc["history"]
     assert "attempt 1 failed at step 58" in result.stderr
+
+
+def load_failed(step=40):
+    return api.AttemptOutcome(api.CHECKPOINT_LOAD, "rank 0 could not load the checkpoint: boom", 0, 74, None,
+                              checkpoint_step=step)
+
+
+def test_a_corrupt_checkpoint_that_fails_to_load_is_set_aside_at_once_and_not_counted_as_no_progress():
+    p = RestartPolicy(RestartConfig(backoff_s=0, crash_loop_attempts=2))
+    for step in (60, 40):  # one after another, each found corrupt by the full check
+        d = p.decide(load_failed(step), progressed=False, newest_valid=step, older_valid=step - 20,
+                     load=LoadFailure(step, ".metadata checksum mismatch", older_valid=step - 20))
+        assert d.relaunch and d.quarantine_step == step and ".metadata checksum mismatch" in d.quarantine
+    assert p.no_progress == 0
+
+
+def test_a_whole_checkpoint_is_retried_once_set_aside_after_two_failures_and_only_once_per_run():
+    p = RestartPolicy(RestartConfig(backoff_s=0, crash_loop_attempts=9))
+    whole = LoadFailure(40, None, older_valid=20)
+    first = p.decide(load_failed(), progressed=False, newest_valid=40, older_valid=20, load=whole)
+    assert first.relaunch and first.quarantine_step is None  # a passing fault gets one more try
+    second = p.decide(load_failed(), progressed=False, newest_valid=40, older_valid=20, load=whole)
+    assert second.relaunch and second.quarantine_step == 40 and "failed to load it twice" in second.quarantine
+    # The older one fails the same way: the checkpoints no longer match the code; stop, set nothing else aside.
+    older = LoadFailure(20, None, older_valid=10)
+    assert p.decide(load_failed(20), progressed=False, newest_valid=20, older_valid=10, load=older).relaunch
+    stop = p.decide(load_failed(20), progressed=False, newest_valid=20, older_valid=10, load=older)
+    assert not stop.relaunch and stop.quarantine_step is None and "no longer match" in stop.message
+
+
+def test_a_bad_checkpoint_stops_the_run_only_when_nothing_older_is_valid():
+    p = RestartPolicy(RestartConfig(backoff_s=0))
+    d = p.decide(load_failed(20), progressed=False, newest_valid=20, older_valid=None,
+                 load=LoadFailure(20, "__0_0.distcp checksum mismatch", older_valid=None))
+    assert not d.relaunch and d.quarantine_step is None and "no older valid checkpoint" in d.message
+
+
+def test_classify_a_rank_that_could_not_load_its_checkpoint():
+    beat = hb(1, exit_code=EXIT_CHECKPOINT_LOAD, loading_step=40,
+              exit_reason="checkpoint_load: step 40: UnpicklingError: invalid load key")
+    out = classify.classify(1, summary(rank=1, code=EXIT_CHECKPOINT_LOAD, sig=""), {1: beat})
+    assert out.reason == api.CHECKPOINT_LOAD and out.checkpoint_step == 40 and out.failed_rank == 1
+    assert "could not load the checkpoint: step 40: UnpicklingError" in out.detail
+
+
+def test_run_restores_the_callers_signal_handlers(tmp_path, cli, monkeypatch):
+    import signal
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\n")
+    monkeypatch.setattr("supervisor.commands.run.make_launcher",
+                        lambda: lambda cfg, spec, handover: FakeHandle(spec.logs_dir / "torchrun.log"))
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    assert cli("run", job).exit_code == 0
+    assert {s: signal.getsignal(s) for s in before} == before

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from supervisor import store
-from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat, SaveRecord
+from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat, SaveRecord
 from train_entry import dist as dist_util
 from train_entry import signals
 from train_entry.checkpoint import Checkpointer, SavePause
@@ -214,10 +214,16 @@ class Session:
         else:
             path = self.ckpt.root / store.step_dirname(step)
             t0 = time.monotonic()
-            sd = self.ckpt.load(path, lambda keys: state.template(self.rank, keys))
-            state.load(sd, self.rank, self.device, self.seed)
-            if state.step != step:
-                raise RuntimeError(f"{path} holds step {state.step}, expected {step}")
+            self.beater.update(loading_step=step)
+            try:
+                sd = self.ckpt.load(path, lambda keys: state.template(self.rank, keys))
+                state.load(sd, self.rank, self.device, self.seed)
+                if state.step != step:
+                    raise RuntimeError(f"it holds step {state.step}, expected {step}")
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as e:  # DCP's CheckpointException is a BaseException; every failure is news
+                self._exit_unloadable(step, path, e)
             if self.ctx.is_main:
                 manifest = store.inspect(path).manifest
                 saved_world = manifest.world_size if manifest else "?"
@@ -349,6 +355,17 @@ class Session:
         if self.ctx.is_main:
             log.info("%s at step %d", "preempted" if code else "finished", step)
         return code
+
+    def _exit_unloadable(self, step: int, path: Any, error: BaseException) -> None:
+        """The checkpoint handed over cannot be loaded: say so with the traceback in this rank's log, and exit
+        EXIT_CHECKPOINT_LOAD (74). The supervisor checks that checkpoint in full, sets it aside if it is bad (or
+        fails to load twice) and relaunches from an older one."""
+        why = f"{type(error).__name__}: {error}"
+        log.error("cannot load checkpoint step %d (%s): %s; exiting with code %d", step, path, why,
+                  EXIT_CHECKPOINT_LOAD, exc_info=error)
+        self.beater.stop(phase="exited", exit_code=EXIT_CHECKPOINT_LOAD, saving_step=None,
+                         exit_reason=f"checkpoint_load: step {step}: {why}"[:500])
+        sys.exit(EXIT_CHECKPOINT_LOAD)
 
     def _exit_nan(self, step: int, loss: float) -> None:
         if self.ctx.is_main:

@@ -1,0 +1,297 @@
+"""One attempt's lifecycle: launch torchrun, watch it, stop it, and say how it ended.
+
+    attempt = Attempt(cfg, spec, handover, launcher, console, rec, run, listener)
+    outcome = attempt.run()      # launch → watch until torchrun exits, a rank hangs or a stop is asked
+                                 # → stop everything it started → AttemptOutcome
+
+While it watches, the attempt keeps the run's rank table and step current (the `RunRecord` it is handed) and
+tells its `AttemptListener` (the run loop) what the ranks logged and which checkpoints appeared; the run
+loop owns everything that outlives an attempt (history, accounting, the interval, retention, the state file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from supervisor import api, classify, evidence, store
+from supervisor.api import AttemptOutcome, AttemptSpec
+from supervisor.config import JobConfig
+from supervisor.console import EventConsole
+from supervisor.protocol import CommitRecord, Handover, Heartbeat, LogRecord, StepLogReader, read_heartbeats
+from supervisor.state import AttemptRecord, RunRecord
+from supervisor.watch import STALL_FLOOR_BEATS, RankWatch
+
+log = logging.getLogger("resilient")
+
+POLL_S = 0.5  # heartbeats and step log; torchrun's exit wakes the loop at once
+HANG_STOP_GRACE_S = 5.0  # a hung rank cannot checkpoint: do not wait long for it
+DISK_SCAN_S = 2.0  # commits made by a rank 0 on another node show up only on disk
+
+
+class AttemptHandle(Protocol):
+    """What an attempt needs from a launched torchrun (TorchrunProcess, or a fake in unit tests)."""
+
+    log_path: Path
+
+    def wait(self, timeout: float) -> int | None: ...
+    def track(self, extra_pids: Any = ()) -> None: ...
+    def signal_group(self, sig: int) -> None: ...
+    def signal_ranks(self, sig: int) -> None: ...
+    def stop(self, grace_s: float) -> list[int]: ...
+    def close(self) -> None: ...
+
+
+Launcher = Callable[[JobConfig, AttemptSpec, Handover], AttemptHandle]
+
+
+class AttemptListener(Protocol):
+    """The run loop, as an attempt sees it."""
+
+    def on_records(self, records: list[LogRecord], rec: AttemptRecord) -> None:
+        """Steps, saves and commits the ranks appended to the step log."""
+
+    def on_checkpoint(self, commit: CommitRecord, mine: bool) -> None:
+        """A new valid checkpoint found on disk (`mine` False: committed by a rank 0 on another node)."""
+
+    def on_tick(self) -> None:
+        """Once per watch iteration: persist what changed (rate-limited by the listener)."""
+
+    def stop_signal(self) -> int | None:
+        """The signal the supervisor was asked to stop with, if any."""
+
+
+class Attempt:
+    def __init__(self, cfg: JobConfig, spec: AttemptSpec, handover: Handover, launcher: Launcher,
+                 console: EventConsole, rec: AttemptRecord, run: RunRecord, listener: AttemptListener,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.spec, self.handover, self.launcher = cfg, spec, handover, launcher
+        self.console, self.rec, self.run_record, self.listener, self.clock = console, rec, run, listener, clock
+        self._steps = StepLogReader(spec.step_log)
+        self._group_pids: set[int] = set()
+        self._world: int | None = None
+        self._resume_noted = False
+
+    # ---- the lifecycle ----------------------------------------------------------------------------
+
+    def run(self) -> AttemptOutcome:
+        """Launch, watch, stop; the outcome carries who failed first, why, and the step training reached."""
+        oom_before = oom_kills()
+        handle = self.launcher(self.cfg, self.spec, self.handover)
+        outcome: AttemptOutcome | None = None
+        try:
+            outcome = self._watch(handle, oom_before)
+        finally:
+            # Ranks asked to stop may still be writing their checkpoint after torchrun is gone.
+            stopping = outcome is not None and outcome.reason == api.STOPPED
+            survivors = handle.stop(grace_s=self.cfg.stop_timeout_s if stopping else HANG_STOP_GRACE_S)
+            if survivors:
+                self.console.event(f"processes survived SIGKILL: {survivors}", style="red")
+            handle.close()
+        self.listener.on_records(self._steps.poll(), self.rec)  # what the ranks logged while being stopped
+        for r in self.run_record.ranks:
+            r["alive"] = False
+        return outcome
+
+    def _watch(self, handle: AttemptHandle, oom_before: int | None) -> AttemptOutcome:
+        hb_cfg = self.cfg.heartbeat
+        watch = RankWatch(self.clock(), hb_cfg.timeout_s, hb_cfg.startup_timeout_s, stall_factor=hb_cfg.stall_factor,
+                          stall_floor_s=STALL_FLOOR_BEATS * hb_cfg.interval_s)
+        heartbeats: dict[int, Heartbeat] = {}
+        next_scan = 0.0
+        while True:
+            rc = handle.wait(POLL_S)
+            now = self.clock()
+            heartbeats = current_group(read_heartbeats(self.spec.heartbeat_dir)) or heartbeats
+            watch.observe(heartbeats, now)
+            handle.track(hb.pid for hb in heartbeats.values())
+            self.listener.on_records(self._steps.poll(), self.rec)
+            self._follow_resume(heartbeats)
+            self._follow_group(heartbeats)
+            if now >= next_scan:
+                next_scan = now + DISK_SCAN_S
+                self._scan_for_commits()
+            self._update_ranks(heartbeats, watch, now)
+            if rc is not None:
+                return self._ended(rc, handle, heartbeats, watch, oom_before)
+            if self.listener.stop_signal() is not None:
+                return self._stop(handle, heartbeats)
+            hangs = watch.hangs(now)
+            if hangs:
+                return self._hang(handle, hangs, heartbeats)
+            self.listener.on_tick()
+
+    # ---- the three endings --------------------------------------------------------------------------
+
+    def _ended(self, rc: int, handle: AttemptHandle, heartbeats: dict[int, Heartbeat], watch: RankWatch,
+               oom_before: int | None) -> AttemptOutcome:
+        """torchrun exited: classify from its summary, the ranks' last heartbeats and their logs."""
+        heartbeats = read_heartbeats(self.spec.heartbeat_dir) or heartbeats
+        self.listener.on_records(self._steps.poll(), self.rec)
+        self._update_ranks(heartbeats, watch, self.clock())
+        oom_after = oom_kills()
+        rank_logs = {rank: classify.tail(path) for rank, path in rank_stderr_paths(self.spec, heartbeats).items()}
+        outcome = classify.classify(rc, classify.tail(handle.log_path, 200_000), heartbeats, rank_logs,
+                                    oom_killed=oom_before is not None and (oom_after or 0) > oom_before)
+        if outcome.reason in (api.COLLECTIVE_TIMEOUT, api.NODE_LOST):
+            outcome.detail += self._silent_ranks(watch, heartbeats, outcome.failed_rank)
+        if outcome.reason == api.CHECKPOINT_FAILED:
+            outcome.detail += disk_note(self.cfg.checkpoint.dir)
+        return outcome
+
+    def _hang(self, handle: AttemptHandle, hangs: list[Any], heartbeats: dict[int, Heartbeat]) -> AttemptOutcome:
+        """A rank is hung: capture every rank's stacks and kernel state first, then stop the group."""
+        first = hangs[0]
+        self.console.event(f"attempt {self.spec.attempt}: hang — {first.describe()}; capturing stacks before "
+                           "stopping", style="red")
+        out = self.spec.logs_dir / "hang_evidence.json"
+        doc = evidence.capture(hangs, heartbeats, rank_stderr_paths(self.spec, heartbeats), out)
+        dumped = [r["rank"] for r in doc["ranks"] if r.get("stack_dump")]
+        self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'})")
+        handle.stop(grace_s=HANG_STOP_GRACE_S)
+        step = max((hb.step for hb in heartbeats.values()), default=None)
+        return AttemptOutcome(api.HANG, first.describe(), first.rank, None, step, str(out))
+
+    def _stop(self, handle: AttemptHandle, heartbeats: dict[int, Heartbeat]) -> AttemptOutcome:
+        """The supervisor was asked to stop: the ranks checkpoint at their step and exit."""
+        name = signal.Signals(self.listener.stop_signal() or signal.SIGTERM).name
+        self.console.event(f"{name}: asking the ranks to checkpoint and stop (up to {self.cfg.stop_timeout_s:.0f}s)",
+                           style="yellow")
+        handle.signal_ranks(signal.SIGTERM)
+        rc = handle.wait(self.cfg.stop_timeout_s + 5)
+        heartbeats = read_heartbeats(self.spec.heartbeat_dir) or heartbeats
+        step = max((hb.step for hb in heartbeats.values()), default=self.run_record.step)
+        self.run_record.step = step
+        saved = store.latest_valid(self.cfg.checkpoint.dir)
+        how = "torchrun exited" if rc is not None else "the grace period ran out"
+        return AttemptOutcome(api.STOPPED, f"stopped by {name} ({how}); newest valid checkpoint: "
+                              f"{saved.step if saved else 'none'}", None, rc, step)
+
+    # ---- following the ranks --------------------------------------------------------------------------
+
+    def _scan_for_commits(self) -> None:
+        newest = store.latest_valid(self.cfg.checkpoint.dir)
+        if newest is not None and newest.created_at and newest.created_at > self.rec.started_at:
+            self.listener.on_checkpoint(CommitRecord(newest.step, newest.created_at, 0.0, newest.size_bytes),
+                                        mine=False)
+
+    def _follow_group(self, heartbeats: dict[int, Heartbeat]) -> None:
+        """Notice torchrun re-forming the worker group in place (it does so when a node joins)."""
+        live = {hb.pid for hb in heartbeats.values() if hb.phase != "exited"}
+        if not live:
+            return
+        if self._group_pids and not (live & self._group_pids):
+            world = max(hb.world_size for hb in heartbeats.values())
+            self.rec.regroups = [*(self.rec.regroups or []), {"at": time.time(), "world_size": world}]
+            self._resume_noted = False
+            self.console.event(f"attempt {self.rec.attempt}: torchrun re-formed the group in place (a node joined "
+                               f"or left): world size {self._world} → {world}", style="yellow")
+        self._group_pids = live
+        self._world = max(hb.world_size for hb in heartbeats.values())
+        self.rec.world_size = self._world
+
+    def _follow_resume(self, heartbeats: dict[int, Heartbeat]) -> None:
+        """The ranks agree on the resume step among all nodes; record the one they actually loaded."""
+        # Only ranks that got as far as training have loaded anything (one that died first says None).
+        loaded = {hb.resumed_from for hb in heartbeats.values() if hb.phase in ("train", "save")}
+        if len(loaded) != 1 or self._resume_noted:
+            return
+        step = loaded.pop()
+        if self.rec.regroups:
+            self.rec.regroups[-1]["resumed_from"] = step
+        elif step != self.rec.resumed_from_step:
+            self.console.event(f"attempt {self.rec.attempt}: the ranks resumed from step {step} (agreed across "
+                               f"nodes; this node had handed over {self.rec.resumed_from_step})", style="yellow")
+            self.rec.resumed_from_step = step
+        self._resume_noted = True
+
+    def _update_ranks(self, heartbeats: dict[int, Heartbeat], watch: RankWatch, now: float) -> None:
+        ages = watch.ages(now)
+        slow = watch.stragglers()
+        ranks = []
+        for rank, hb in sorted(heartbeats.items()):
+            note = None
+            if rank in slow:
+                note = f"straggler: {slow[rank]:.2f} own steps/s, far below the other ranks"
+            ranks.append({"rank": rank, "node": hb.node, "pid": hb.pid, "step": hb.step, "phase": hb.phase,
+                          "heartbeat_at": hb.time, "heartbeat_age_s": round(ages.get(rank, 0.0), 2),
+                          "alive": hb.phase != "exited" and _pid_alive(hb.pid), "steps_per_s": hb.steps_per_s,
+                          "own_steps_per_s": hb.own_steps_per_s, "hang_limit_s": round(watch.limit_s(rank), 2),
+                          "note": note})
+        self.run_record.ranks = ranks
+        if heartbeats:
+            self.run_record.step = max(hb.step for hb in heartbeats.values())
+
+    def _silent_ranks(self, watch: RankWatch, heartbeats: dict[int, Heartbeat], failed: int | None) -> str:
+        """The rank that timed out is rarely the one that hung: name any rank that had stopped beating."""
+        limit = STALL_FLOOR_BEATS * self.cfg.heartbeat.interval_s
+        ages = watch.ages(self.clock())
+        silent = sorted(((age, r) for r, age in ages.items()
+                         if age > limit and r != failed and heartbeats.get(r) and heartbeats[r].phase != "exited"),
+                        reverse=True)
+        return "".join(f"; rank {r} had been silent for {age:.0f}s (it is likely the one that hung)"
+                       for age, r in silent[:2])
+
+
+def oom_kills() -> int | None:
+    """The kernel OOM killer's count for our cgroup (v2), to tell an OOM kill from any other SIGKILL."""
+    try:
+        rel = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
+        for line in (Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.events").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def disk_note(root: Path) -> str:
+    """A failed save on a (nearly) full filesystem says so: torch's own error may not (a short write in a
+    zip header reads "unexpected pos")."""
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError:
+        return ""
+    newest = max((i.size_bytes for i in store.scan(root) if i.valid), default=0) if root.is_dir() else 0
+    if usage.free < max(newest, 0.02 * usage.total):
+        return (f"; the checkpoint filesystem has {usage.free / 1e6:.1f} MB free of {usage.total / 1e6:.1f} MB "
+                "(free space there, or lower checkpoint.keep)")
+    return ""
+
+
+def current_group(heartbeats: dict[int, Heartbeat], window_s: float = 10.0) -> dict[int, Heartbeat]:
+    """Heartbeats of the newest worker group: when torchrun re-forms the group in place (a node joined),
+    the files of the previous group's ranks stay behind; the ranks of one group start within seconds."""
+    if not heartbeats:
+        return heartbeats
+    newest = max(hb.started_at for hb in heartbeats.values())
+    return {r: hb for r, hb in heartbeats.items() if hb.started_at >= newest - window_s or _pid_alive(hb.pid)}
+
+
+def rank_stderr_paths(spec: AttemptSpec, heartbeats: dict[int, Heartbeat]) -> dict[int, Path]:
+    """Each rank's stderr log: from its heartbeat (torchrun's per-rank folder), else by local rank."""
+    paths: dict[int, Path] = {}
+    for rank, hb in heartbeats.items():
+        if hb.log_dir:
+            paths[rank] = Path(hb.log_dir) / "stderr.log"
+    for p in (spec.logs_dir / "ranks").glob("*/attempt_*/*/stderr.log"):
+        local = int(p.parent.name)
+        paths.setdefault(local, p)  # single node: local rank == rank for ranks that never beat
+    return paths
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
