@@ -20,7 +20,7 @@ import yaml
 
 from supervisor.errors import ConfigError
 
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")  # a file name and a rendezvous id: kept well under 255 bytes
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 NNODES_RANGE_RE = re.compile(r"^(\d+):(\d+)$")
@@ -380,7 +380,7 @@ def _interval(loc: _Loc, key: str) -> int | None:
 
 # The schema: section -> key -> check. A nested dict is a section; its keys are checked the same way.
 SCHEMA: dict[str, Any] = {
-    "name": _string(NAME_RE, "letters, digits, '.', '_' or '-' (no spaces or slashes)"),
+    "name": _string(NAME_RE, "1 to 100 letters, digits, '.', '_' or '-' (no spaces or slashes)"),
     "run_dir": _path,
     "entrypoint": {
         "module": _optional(_string(MODULE_RE, "a dotted Python module name, e.g. train_entry")),

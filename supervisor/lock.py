@@ -80,3 +80,84 @@ def holder(node_dir: str | os.PathLike) -> dict | None:
         return None
     finally:
         os.close(fd)
+
+
+OWNERS_DIR = ".resilient-owners"  # inside a checkpoint root: one lock file per run that writes there
+
+
+class RootClaim:
+    """A run's hold on its checkpoint root: two runs (two run dirs) must never write one root.
+
+    Every supervisor of a run (one per node; they share its run dir) holds a shared `flock` on
+    `<root>/.resilient-owners/<run>.lock` for its life, where `<run>` names the run dir. Taking it, a
+    supervisor first checks, under an exclusive lock on `claim.lock` so that two starting at the same
+    instant are ordered, that no other run's file is held. The kernel drops the locks when a holder dies.
+    """
+
+    def __init__(self, root: str | os.PathLike, run_dir: str | os.PathLike):
+        self.root = Path(root)
+        self.run_dir = Path(os.path.realpath(run_dir))
+        self._fd: int | None = None
+
+    def _name(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:16] + ".lock"
+
+    def acquire(self) -> RootClaim:
+        """Take the claim or raise RunLockedError naming the other run."""
+        owners = self.root / OWNERS_DIR
+        owners.mkdir(parents=True, exist_ok=True)
+        mutex = os.open(owners / "claim.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(mutex, fcntl.LOCK_EX)
+            mine = self._name()
+            for other in sorted(owners.glob("*.lock")):
+                if other.name in (mine, "claim.lock"):
+                    continue
+                who = _held_by(other)
+                if who is not None:
+                    raise RunLockedError(
+                        f"{self.root} is the checkpoint root of another live run ({who.get('run_dir', '?')}, "
+                        f"supervisor pid {who.get('pid', '?')} on {who.get('host', '?')}); two runs must not share "
+                        "one: give this job its own checkpoint.dir, or stop the other run.")
+            fd = os.open(owners / mine, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            info = json.dumps({"run_dir": str(self.run_dir), "pid": os.getpid(), "host": socket.gethostname()})
+            os.pwrite(fd, info.encode().ljust(4096), 0)  # one run's nodes all write the same run dir
+            self._fd = fd
+        finally:
+            os.close(mutex)  # closing drops the exclusive lock
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RootClaim:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _held_by(path: Path) -> dict | None:
+    """Who holds `path` (its recorded JSON), or None when no live process does."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            try:
+                return json.loads(os.pread(fd, 4096, 0).rstrip(b" \0") or b"{}")
+            except ValueError:
+                return {}
+        return None
+    finally:
+        os.close(fd)

@@ -17,7 +17,7 @@ from supervisor.config import JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError
 from supervisor.layout import RunLayout
-from supervisor.lock import RunLock
+from supervisor.lock import RootClaim, RunLock
 
 
 def check_entrypoint(cfg: JobConfig) -> None:
@@ -86,14 +86,18 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     cfg = load_job(job, overrides)
     check_entrypoint(cfg)
     layout = RunLayout(cfg.run_dir, node_name(cfg, node))
-    with RunLock(layout.node_dir):
+    with RunLock(layout.node_dir), RootClaim(cfg.checkpoint.dir, cfg.run_dir):
         console = EventConsole(cfg.name)
         reap_orphans(layout, cfg, console)
         sup = Supervisor(cfg, layout, console=console, launcher=make_launcher())
         # SIGUSR1 is Slurm's usual "about to be preempted" warning: stop gracefully too (exit 143).
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            signal.signal(sig, lambda signum, _frame: sup.request_stop(signum))
+        stopping = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+        previous = {sig: signal.signal(sig, lambda signum, _frame: sup.request_stop(signum)) for sig in stopping}
         started = time.monotonic()
-        code = sup.run()
+        try:
+            code = sup.run()
+        finally:  # called in-process (tests, a user's own Python), the caller's handlers come back
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         console.event(f"supervisor exiting with code {int(code)} after {time.monotonic() - started:.1f}s")
         return code
