@@ -3,10 +3,13 @@ state file says about the ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 from tests.proc import REPO, child_env
 
@@ -56,3 +59,20 @@ def rank_log(run_dir: Path, attempt: int, rank: int, stream: str = "stderr") -> 
     """What rank `rank` (on a single node: its local rank) of attempt `attempt` wrote to `stream`."""
     found = sorted((run_dir / "logs" / f"attempt_{attempt}").rglob(f"{rank}/{stream}.log"))
     return "".join(p.read_text(errors="replace") for p in found)
+
+
+def torchrun_of(run_dir: Path) -> psutil.Process | None:
+    """The running attempt's torchrun, found from its ranks: their parent, or, for ranks forked by the prewarm
+    server, the parent of their client proxies (`python -m supervisor.prewarm_client`)."""
+    for r in state(run_dir).get("ranks", []):
+        with contextlib.suppress(psutil.Error, KeyError):
+            rank = psutil.Process(r["pid"])
+            parent = rank.parent()
+            if parent is not None and "supervisor.prewarm" in " ".join(parent.cmdline()) and \
+                    "prewarm_client" not in " ".join(parent.cmdline()):
+                for p in psutil.process_iter(["cmdline"]):
+                    if "supervisor.prewarm_client" in " ".join(p.info["cmdline"] or []) and p.ppid() != parent.pid:
+                        return p.parent()
+                return None
+            return parent
+    return None

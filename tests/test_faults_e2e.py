@@ -1,36 +1,26 @@
 """More real faults under `resilient run`: a full disk, a collective that times out, a long synchronous
-save that must not count as a hang, and a straggler that is reported but not killed."""
+save that must not count as a hang, a straggler that is reported but not killed, a real out-of-memory error,
+a rank preempted by someone else, torchrun itself killed, an import error in a worker, a spent restart
+budget, and the `auto` interval."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
-import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from supervisor import store
+from supervisor.protocol import CommitRecord, read_step_log
 from tests.proc import started, wait_for
-from tests.runs import RUN_TIMEOUT, live_ranks, run_job, state, status
+from tests.runs import RUN_TIMEOUT, live_ranks, rank_log, resilient, run_job, state, status, torchrun_of
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 5 MiB tmpfs: room for two checkpoints of the tiny model, not three."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(disk)], capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {out.stderr.strip()}")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_a_full_disk_fails_the_save_never_validates_it_and_stops_as_a_crash_loop(tmp_path, small_disk):
@@ -100,3 +90,75 @@ def test_a_straggler_is_reported_not_killed(tmp_path):
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
     assert [h["reason"] for h in status(run_dir)["history"]] == ["finished"]
     assert json.loads(Path(run_dir / "state.json").read_text())["state"] == "succeeded"
+
+
+def test_a_real_oom_a_preempted_rank_and_a_killed_torchrun_are_each_classified_and_recovered(tmp_path):
+    """Three real faults in one run, one per attempt: the allocator's own out-of-memory error, a rank that
+    gets SIGTERM from someone else (it checkpoints and exits 75), and torchrun itself SIGKILLed."""
+    run_dir = tmp_path / "run"
+    argv = run_job(run_dir, steps=200, extra_args=("--test-oom-at-step", "25", "--test-attempts", "1"))
+    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+        def attempt_ranks(attempt: int, min_step: int) -> list[dict]:
+            return live_ranks(run_dir, min_step) if state(run_dir).get("attempt") == attempt else []
+
+        ranks = wait_for(lambda: attempt_ranks(2, 45), 120, "attempt 2 training past step 45")
+        signalled_at = time.time()
+        os.kill(next(r["pid"] for r in ranks if r["rank"] == 1), signal.SIGTERM)
+        wait_for(lambda: attempt_ranks(3, 0), 120, "attempt 3 training")
+        launcher = wait_for(lambda: torchrun_of(run_dir), 30, "attempt 3's torchrun")
+        launcher.kill()
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    history = status(run_dir)["history"]
+    assert [h["reason"] for h in history] == ["oom", "preempted", "launcher_died", "finished"], history
+    assert "ran out of memory" in history[0]["detail"] and "Cannot allocate memory" in history[0]["detail"]
+    assert history[1]["failed_rank"] is not None and history[1]["exit_code"] == 75
+    stop = history[1]["step_at_failure"]  # the preempted ranks checkpointed their stop step (retention took it since)
+    last_commit = [r for r in read_step_log(run_dir / "steps" / "attempt_2.jsonl") if isinstance(r, CommitRecord)][-1]
+    assert last_commit.step == stop and last_commit.t > signalled_at and history[2]["resumed_from_step"] == stop
+    assert "torchrun itself was killed" in history[2]["detail"]
+
+
+def test_an_import_error_in_a_workers_script_is_a_config_error_and_is_not_retried(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import no_such_module_for_resilient  # noqa\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: broken\nentrypoint: {{script: {script}}}\nnproc_per_node: 2\n")
+    with started(resilient("run", job), tmp_path, log=tmp_path / "sup.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 1
+        console = sup.output()
+    history = status(tmp_path / "runs" / "broken")["history"]
+    assert [h["reason"] for h in history] == ["config"] and "no_such_module_for_resilient" in history[0]["detail"]
+    assert "a configuration or import error, which a restart cannot fix" in console
+
+
+def test_the_restart_budget_runs_out_and_the_run_stops_with_exit_1(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = run_job(run_dir, "restart.max_restarts=1", "restart.crash_loop_attempts=9", steps=100, sleep=0.0,
+                   extra_args=("--test-die-at-step", "5"))
+    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 1
+    doc = status(run_dir)
+    assert [h["reason"] for h in doc["history"]] == ["worker_exit", "worker_exit"]
+    assert doc["state"] == "failed" and "the restart budget is spent (1/1 restarts)" in doc["message"]
+
+
+def test_an_auto_interval_is_chosen_by_the_supervisor_and_followed_by_the_ranks_across_a_relaunch(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = run_job(run_dir, "checkpoint.interval_steps=auto", "checkpoint.expected_mtbf_s=20",
+                   "checkpoint.min_interval_steps=5", "checkpoint.max_interval_steps=40", steps=160, sleep=0.01)
+    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+        wait_for(lambda: "(from the supervisor)" in rank_log(run_dir, 1, 0), 120, "rank 0 to take the interval")
+        ranks = wait_for(lambda: live_ranks(run_dir, min_step=60), 120, "step 60")
+        os.kill(ranks[1]["pid"], signal.SIGKILL)
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+        console = sup.output()
+    doc = status(run_dir)
+    interval = doc["checkpoint_interval"]
+    assert interval["mode"] == "auto" and "Young/Daly" in interval["why"] and 5 <= interval["steps"] <= 40
+    assert "checkpoint interval" in console and (run_dir / "control.json").is_file()
+    for attempt in (1, 2):
+        commits = [r.step for r in read_step_log(run_dir / "steps" / f"attempt_{attempt}.jsonl")
+                   if isinstance(r, CommitRecord) and r.step != 160]  # the final save comes when training ends
+        gaps = {b - a for a, b in itertools.pairwise(commits)}  # counted from the last save, not multiples
+        assert commits and all(5 <= g <= 40 for g in gaps) and commits[0] != 50, (attempt, commits)
+    assert [h["reason"] for h in doc["history"]] == ["worker_signal", "finished"]

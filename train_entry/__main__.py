@@ -60,7 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated attempts (RESILIENT_ATTEMPT) the nan/die hooks fire on; default all")
     t.add_argument("--test-sleep-per-step", type=float, default=0.0)
     t.add_argument("--test-slow-rank", default=None, help="RANK:SECONDS extra sleep per step (a straggler)")
-    t.add_argument("--test-save-pause", type=SavePause.parse, default=None, help="POINT:SECONDS[@STEP]")
+    t.add_argument("--test-save-pause", type=SavePause.parse, default=None,
+                   help="POINT:SECONDS[@STEP] (sleep there) or POINT:enospc[@STEP] (fill the checkpoint filesystem)")
+    t.add_argument("--test-oom-at-step", type=int, help="ask the allocator for far more memory than exists")
     t.add_argument("--test-log-samples", default=None, help="folder: each rank logs the sample ids it trains on")
     args = p.parse_args(argv)
     if args.batch < 1 or args.steps < 0 or args.n_embd % args.n_head:
@@ -112,6 +114,8 @@ class TestHooks:
             self.samples.write(json.dumps({"step": step, "rank": self.session.rank, "world": self.session.world_size,
                                            "attempt": self.session.handover.attempt, "t": time.time(),
                                            "loss": loss, "ids": [ids.start, ids.stop]}) + "\n")
+        if self.armed and step == self.args.test_oom_at_step:
+            torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the allocator's own out-of-memory error
         if self.armed and step == self.args.test_die_at_step:
             raise RuntimeError(f"test hook: injected failure at step {step}")
         if self.args.test_sleep_per_step:

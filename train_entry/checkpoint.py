@@ -40,26 +40,44 @@ class CheckpointError(RuntimeError):
 
 @dataclass(frozen=True)
 class SavePause:
-    """Test hook: sleep at `point` of the save of `step` (any step if None), to be killed there."""
+    """Test hook at `point` of the save of `step` (any step if None): sleep `seconds`, to be killed there; or,
+    with `fill_disk`, fill the checkpoint filesystem (a real ENOSPC for what the save writes next)."""
 
     point: str
     seconds: float
     step: int | None = None
+    fill_disk: bool = False
 
     @classmethod
     def parse(cls, text: str) -> SavePause:
-        """`mid_data:30` or `before_marker:30@20`."""
+        """`mid_data:30`, `before_marker:30@20` or `before_marker:enospc@40`."""
         body, _, step = text.partition("@")
-        point, _, seconds = body.partition(":")
-        if point not in PAUSE_POINTS or not seconds:
-            raise ValueError(f"--test-save-pause {text!r}: expected POINT:SECONDS[@STEP], POINT one of "
-                             + ", ".join(PAUSE_POINTS))
-        return cls(point, float(seconds), int(step) if step else None)
+        point, _, action = body.partition(":")
+        if point not in PAUSE_POINTS or not action:
+            raise ValueError(f"--test-save-pause {text!r}: expected POINT:SECONDS[@STEP] or POINT:enospc[@STEP], "
+                             "POINT one of " + ", ".join(PAUSE_POINTS))
+        fill = action == "enospc"
+        return cls(point, 0.0 if fill else float(action), int(step) if step else None, fill)
 
-    def maybe(self, point: str, step: int) -> None:
-        if point == self.point and (self.step is None or self.step == step):
-            log.warning("test hook: pausing %.1fs at %s of the save of step %d", self.seconds, point, step)
-            time.sleep(self.seconds)
+    def maybe(self, point: str, step: int, folder: Path | None = None) -> None:
+        if point != self.point or (self.step is not None and self.step != step):
+            return
+        if self.fill_disk and folder is not None:
+            filler = folder.parent / "test-filler.bin"
+            log.warning("test hook: filling the checkpoint filesystem (%s) at %s of the save of step %d", filler,
+                        point, step)
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                chunk = bytes(1 << 16)
+                while os.write(fd, chunk):
+                    pass
+            except OSError:  # ENOSPC: full
+                pass
+            finally:
+                os.close(fd)
+            return
+        log.warning("test hook: pausing %.1fs at %s of the save of step %d", self.seconds, point, step)
+        time.sleep(self.seconds)
 
 
 class _HashingStream:
@@ -209,7 +227,7 @@ class Checkpointer:
             dist.gather_object(records, gathered, dst=0, group=group)
             if partial is not None:
                 if self.pause is not None:
-                    self.pause.maybe("before_marker", step)
+                    self.pause.maybe("before_marker", step, path)
                 all_records = [r for rank_records in gathered or [] for r in rank_records]
                 final = partial.commit(ctx.world_size, all_records, extra=extra)
                 total = time.monotonic() - t0

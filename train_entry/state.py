@@ -4,6 +4,7 @@ RNG states, and the training position (step, samples and tokens seen)."""
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import random
 import sys
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger("train_entry")
 
 
 def rng_key(rank: int) -> str:
@@ -102,5 +105,7 @@ class TrainState:
         self.extra = pos.get("extra", {})
         if rng_key(rank) in sd:
             set_rng_state(sd[rng_key(rank)], device)
-        else:
+        else:  # the world grew: this rank's RNG was never saved (another rank's must not be reused)
+            log.warning("rank %d has no saved RNG state in this checkpoint: seeded from (seed %d, rank %d, step %d)",
+                        rank, seed, rank, self.step)
             seed_rank(seed, rank, self.step, device)

@@ -1,0 +1,155 @@
+"""Bad checkpoints and the disks and supervisors around them, under `resilient run` for real: a flipped byte,
+a whole checkpoint the ranks cannot load, a full disk at the marker, the supervisor killed mid-save, two runs
+aimed at one checkpoint root, and a run dir with a long non-ASCII path."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+import psutil
+import pytest
+
+from supervisor import store
+from tests.ckpt_helpers import flip_byte
+from tests.proc import Proc, child_env, started, wait_for
+from tests.runs import RUN_TIMEOUT, live_ranks, rank_log, resilient, run_job, state, status
+
+pytestmark = pytest.mark.slow
+
+
+def finish(argv: list[str], cwd, log_name: str, expect: int = 0) -> str:
+    with started(argv, cwd, log=cwd / log_name) as sup:
+        code = sup.wait(RUN_TIMEOUT)
+        out = sup.output()
+    assert code == expect, out[-3000:]
+    return out
+
+
+def inspect_json(target) -> dict:
+    out = subprocess.run(resilient("inspect-checkpoint", target, "--json"), capture_output=True, text=True,
+                         env=child_env(), timeout=60)
+    return json.loads(out.stdout)
+
+
+def test_a_flipped_byte_in_metadata_is_set_aside_and_the_run_resumes_from_the_one_before(tmp_path):
+    """The issue's scenario: sizes unchanged, `verify: size`; before, every rank died loading it, three times."""
+    run_dir = tmp_path / "run"
+    finish(run_job(run_dir, steps=60, sleep=0.0), tmp_path, "first.log")
+    newest = store.latest_valid(run_dir / "checkpoints")
+    assert newest.step == 60
+    flip_byte(newest.path / ".metadata", offset=(newest.path / ".metadata").stat().st_size // 2)
+    console = finish(run_job(run_dir, steps=80, sleep=0.0), tmp_path, "second.log")
+    assert "skipping step_000000060: corrupt: .metadata checksum mismatch" in console
+    assert "set aside as step_000000060.quarantined" in console and "resuming from step 40" in console
+    assert "finished at step 80" in console
+    doc = inspect_json(run_dir)
+    q = next(c for c in doc["checkpoints"] if c["quarantined"])
+    assert q["step"] == 60 and q["status"] == "corrupt" and ".metadata checksum mismatch" in q["reason"]
+    assert doc["latest_valid_step"] == 80
+    assert status(run_dir)["quarantined"][0]["path"] == "step_000000060.quarantined"
+
+
+def test_a_whole_checkpoint_the_ranks_cannot_load_is_retried_then_set_aside_once(tmp_path):
+    """Step 40 is replaced by a whole checkpoint of another model (every byte matches its manifest): the ranks
+    fail to load it, twice; it is set aside and the run goes on from step 20."""
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    finish(run_job(run_dir, "restart.crash_loop_attempts=3", steps=40, sleep=0.0), tmp_path, "first.log")
+    finish(run_job(other, "checkpoint.interval_steps=40", steps=40, sleep=0.0, extra_args=("--n-embd", "32")),
+           tmp_path, "other.log")
+    ours = run_dir / "checkpoints" / store.step_dirname(40)
+    shutil.rmtree(ours)
+    shutil.copytree(other / "checkpoints" / store.step_dirname(40), ours)
+    assert store.inspect(ours, deep=True).valid
+    console = finish(run_job(run_dir, "restart.crash_loop_attempts=3", steps=60, sleep=0.0), tmp_path,
+                     "second.log")
+    history = status(run_dir)["history"][1:]
+    assert [h["reason"] for h in history] == ["checkpoint_load", "checkpoint_load", "finished"], history
+    assert [h["resumed_from_step"] for h in history] == [40, 40, 20]
+    assert "could not load the checkpoint: step 40" in history[0]["detail"]
+    assert "set step_000000040 aside as step_000000040.quarantined: every byte checks, but the ranks failed to " \
+           "load it twice" in console
+    q = [c for c in inspect_json(run_dir)["checkpoints"] if c["quarantined"]]
+    assert [c["step"] for c in q] == [40] and "failed to load it twice" in q[0]["reason"]
+
+
+def test_a_full_disk_at_the_marker_leaves_nothing_valid_and_a_rerun_with_room_resumes(tmp_path, small_disk):
+    """A real ENOSPC for the completion marker itself: rank 0's data is durable, the marker cannot be written."""
+    run_dir = tmp_path / "run"
+    sets = (f"checkpoint.dir={small_disk}", "restart.crash_loop_attempts=2", "checkpoint.keep=1")
+    argv = run_job(run_dir, *sets, steps=60, sleep=0.0, extra_args=("--test-save-pause", "before_marker:enospc@40",
+                                                                     "--test-attempts", "1"))
+    finish(argv, tmp_path, "first.log", expect=1)
+    doc = status(run_dir)
+    assert doc["history"][0]["reason"] == "checkpoint_failed" and "No space left on device" in str(doc["history"])
+    assert "crash loop" in doc["message"]
+    infos = store.scan(small_disk)
+    assert [i.step for i in infos if i.valid] == [20], [(i.step, i.reason) for i in infos]
+    partial = small_disk / store.partial_dirname(40)
+    assert not (partial / store.MARKER).exists() and not store.inspect(partial).valid
+    (small_disk / "test-filler.bin").unlink()
+    console = finish(run_job(run_dir, *sets, steps=60, sleep=0.0), tmp_path, "second.log")
+    assert "resuming from step 20" in console and store.latest_valid(small_disk).step == 60
+
+
+def test_kill_9_of_the_supervisor_in_the_middle_of_a_save_never_leaves_a_valid_partial(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = run_job(run_dir, steps=60, extra_args=("--test-save-pause", "before_marker:60@40", "--test-attempts", "1"))
+    partial = run_dir / "checkpoints" / store.partial_dirname(40)
+    sup = Proc(argv, tmp_path, log=tmp_path / "first.log")
+    try:
+        wait_for(lambda: "pausing" in rank_log(run_dir, 1, 0) and (partial / ".metadata").exists(), 90,
+                 "the save paused before its marker")
+        ranks = [psutil.Process(r["pid"]) for r in state(run_dir)["ranks"]]
+        os.kill(sup.pid, signal.SIGKILL)
+        _, alive = psutil.wait_procs(ranks, timeout=30)
+        assert alive == [], f"ranks alive after the supervisor died mid-save: {alive}"
+    finally:
+        sup.kill_all()
+    info = store.inspect(partial)
+    assert not info.valid and info.partial
+    assert store.latest_valid(run_dir / "checkpoints").step == 20
+    console = finish(run_job(run_dir, steps=60), tmp_path, "second.log")
+    assert "resuming from step 20" in console and "skipping step_000000040.partial" in console
+    assert [h["reason"] for h in status(run_dir)["history"]] == ["supervisor_lost", "finished"]
+    assert store.inspect(run_dir / "checkpoints" / store.step_dirname(40)).valid
+
+
+def test_supervisors_started_at_the_same_instant_on_one_run_dir_or_one_checkpoint_root_leave_one_running(tmp_path):
+    root = tmp_path / "shared-checkpoints"
+    argvs = [run_job(tmp_path / "run-a", f"checkpoint.dir={root}", steps=400),
+             run_job(tmp_path / "run-a", f"checkpoint.dir={root}", steps=400),
+             run_job(tmp_path / "run-b", f"checkpoint.dir={root}", steps=400)]
+    procs = [Proc(argv, tmp_path, log=tmp_path / f"sup{i}.log") for i, argv in enumerate(argvs)]
+    try:
+        refused = wait_for(lambda: [p for p in procs if p.poll() is not None] if sum(
+            p.poll() is not None for p in procs) == 2 else None, 60, "two of three supervisors to exit")
+        for p in refused:
+            out = p.output().strip()
+            assert p.poll() == 3 and len(out.splitlines()) == 1 and "another live" in out, out
+        winner = next(p for p in procs if p not in refused)
+        run_dir = tmp_path / ("run-b" if winner is procs[2] else "run-a")
+        wait_for(lambda: live_ranks(run_dir), 90, "the one supervisor left to train")
+        assert winner.poll() is None
+        if winner is not procs[2]:
+            assert "checkpoint root of another live run" in procs[2].output()
+    finally:
+        for p in procs:
+            p.kill_all()
+
+
+def test_a_long_non_ascii_run_dir_and_job_name_survive_a_kill(tmp_path):
+    run_dir = tmp_path / ("rün ☃ " + "ü" * 60) / ("日本語-" + "x" * 80)
+    name = "tiny-" + "n" * 90
+    argv = run_job(run_dir, f"name={name}", steps=80)
+    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+        ranks = wait_for(lambda: live_ranks(run_dir, min_step=25), 90, "training past a checkpoint")
+        os.kill(ranks[0]["pid"], signal.SIGKILL)
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    doc = status(run_dir)
+    assert doc["name"] == name and [h["reason"] for h in doc["history"]] == ["worker_signal", "finished"]
+    assert store.latest_valid(run_dir / "checkpoints").step == 80
+    assert inspect_json(run_dir)["latest_valid_step"] == 80
