@@ -8,13 +8,14 @@ import os
 import re
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from supervisor import store
 from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED
-from tests.ckpt_helpers import assert_same_training_state
+from tests.ckpt_helpers import assert_same_training_state, dcp_tensors
 from tests.proc import Proc, heartbeat, started, step_of, torchrun, wait_for
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,8 @@ def test_sigkill_between_saves_and_plain_relaunch_is_bitwise_exact(tmp_path, rng
             def reached(target: int = target, victim: int = victim, p: Proc = p, earlier: set = earlier) -> bool:
                 steps = [r["step"] for r in sample_log(killed / "samples", skip=earlier)]
                 ran = max(steps, default=0) >= target and step_of(killed / "hb", victim) >= 0
-                return ran or p.poll() is not None
+                saved = store.latest_valid(killed / "checkpoints") is not None  # the kill comes after a commit
+                return (ran and saved) or p.poll() is not None
 
             wait_for(reached, 90, f"step {target}")
             assert p.poll() is None, p.output()[-2000:]
@@ -78,9 +80,9 @@ def test_sigkill_between_saves_and_plain_relaunch_is_bitwise_exact(tmp_path, rng
             out = p.output()
         if attempt:
             assert (f"resumed from step {resumed_from} " if resumed_from else "no checkpoint to resume from") in out
-        latest = store.latest_valid(killed / "checkpoints")  # None if killed before the first save
-        assert latest is None or latest.step <= max_step(killed / "samples")
-        resumed_from = latest.step if latest else None
+        latest = store.latest_valid(killed / "checkpoints")
+        assert latest is not None and latest.step <= max_step(killed / "samples")
+        resumed_from = latest.step
     out = run_to_end(killed, 2, common, "final")
     assert (f"resumed from step {resumed_from} " if resumed_from else "no checkpoint to resume from") in out
 
@@ -99,6 +101,15 @@ def test_resharding_2_to_1_to_3_consumes_every_sample_once(tmp_path):
     out3 = run_to_end(tmp_path, 3, [*base, "--steps", "40"], "three")
     assert "resumed from step 20 (step_000000020)" in out2 and "resharded from 2 ranks" in out2
     assert "resumed from step 30 (step_000000030)" in out3 and "resharded from 1 ranks" in out3
+    # RNG state is per rank: rank 1's was dropped with the world size, and the ranks the world grew by were
+    # seeded from (seed, rank, step), never handed another rank's state.
+    assert {k for k in dcp_tensors(tmp_path / "checkpoints" / store.step_dirname(30)) if k.startswith("rng.")} == \
+        {"rng.rank0"}
+    assert "rank 0 has no saved RNG" not in out3
+    assert all(f"rank {r} has no saved RNG state in this checkpoint: seeded from (seed 0, rank {r}, step 30)" in out3
+               for r in (1, 2))
+    assert {k for k in dcp_tensors(tmp_path / "checkpoints" / store.step_dirname(40)) if k.startswith("rng.")} == \
+        {"rng.rank0", "rng.rank1", "rng.rank2"}
 
     rows = sample_log(tmp_path / "samples")
     assert {r["world"] for r in rows} == {1, 2, 3}
@@ -153,6 +164,7 @@ def test_sigterm_exits_preempted_with_a_checkpoint_at_the_stop_step(tmp_path):
         wait_for(lambda: "most recent call first" in p.output(), 30, "the stack dump")
         step_at_dump = heartbeat(tmp_path / "hb", 0)["step"]
         wait_for(lambda: heartbeat(tmp_path / "hb", 0)["step"] > step_at_dump + 5, 30, "training to go on")
+        signalled_at = time.time()
         for rank in (0, 1):  # a preemption reaches every process of the node
             os.kill(heartbeat(tmp_path / "hb", rank)["pid"], signal.SIGTERM)
         p.wait(60)
@@ -161,9 +173,9 @@ def test_sigterm_exits_preempted_with_a_checkpoint_at_the_stop_step(tmp_path):
     assert [hb["exit_code"] for hb in hbs] == [EXIT_PREEMPTED] * 2, out[-2000:]
     assert f"exitcode  : {EXIT_PREEMPTED}" in out
     stop_step = hbs[0]["step"]
-    assert hbs[1]["step"] == stop_step and stop_step % 100 != 0
-    latest = store.latest_valid(tmp_path / "checkpoints", deep=True)
-    assert latest is not None and latest.step == stop_step
+    assert hbs[1]["step"] == stop_step
+    latest = store.latest_valid(tmp_path / "checkpoints", deep=True)  # the stop's own save, after the signal
+    assert latest is not None and latest.step == stop_step and latest.created_at > signalled_at
 
 
 def test_nan_loss_exits_nan_and_never_saves_that_step(tmp_path):
