@@ -76,10 +76,11 @@ def small_disk(tmp_path):
     """A 5 MiB tmpfs: room for two checkpoints of the tiny model, not three."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(disk)], capture_output=True, text=True)
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(disk)], capture_output=True, text=True,
+                         timeout=30)
     if out.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {out.stderr.strip()}")
     try:
         yield disk
     finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+        subprocess.run(["umount", "-l", str(disk)], check=False, timeout=30)

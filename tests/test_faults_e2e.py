@@ -23,10 +23,11 @@ from tests.runs import RUN_TIMEOUT, live_ranks, rank_log, resilient, run_job, st
 pytestmark = pytest.mark.slow
 
 
-def test_a_full_disk_fails_the_save_never_validates_it_and_stops_as_a_crash_loop(tmp_path, small_disk):
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_a_full_disk_fails_the_save_never_validates_it_and_stops_as_a_crash_loop(tmp_path, small_disk, async_save):
     run_dir = tmp_path / "run"
     argv = run_job(run_dir, f"checkpoint.dir={small_disk}", "checkpoint.keep=3", "restart.crash_loop_attempts=2",
-                   steps=200, sleep=0.0)
+                   f"checkpoint.async={str(async_save).lower()}", steps=200, sleep=0.0)
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 1, sup.output()[-3000:]
         console = sup.output()

@@ -46,7 +46,7 @@ def test_two_failures_lost_steps_match_the_step_logs(tmp_path):
     # The picture and the text timeline show the two failures.
     png = tmp_path / "timeline.png"
     out = subprocess.run(resilient("status", run_dir, "--plot", png), capture_output=True, text=True,
-                         env=child_env(COLUMNS="160"))
+                         env=child_env(COLUMNS="160"), timeout=120)
     assert out.returncode == 0, out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     timeline_rows = [line for line in out.stdout.splitlines() if line.lstrip()[:1].isdigit() and "|" in line]

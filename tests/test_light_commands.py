@@ -161,7 +161,7 @@ def test_version(cli):
 
 def test_importing_the_cli_does_not_import_torch():
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import supervisor.cli"],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, timeout=60)
     modules = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()}
     assert "typer" in modules
     assert not {m for m in modules if m == "torch" or m.startswith("torch.")}

@@ -177,7 +177,10 @@ class Checkpointer:
         self.wait()
         sd = state_dict()
         if sync or not self.async_save:
-            self._persist(step, sd, extra or {}, t0, blocking_s=None)
+            try:
+                self._persist(step, sd, extra or {}, t0, blocking_s=None)
+            except Exception as e:  # the same news as a failed background save: the supervisor classifies it
+                raise CheckpointError(f"checkpoint save failed: {e}") from e
             return time.monotonic() - t0
         staged = self._stage(sd)
         blocking = time.monotonic() - t0
