@@ -10,10 +10,8 @@ Measured differences across the supported range (README, "Supported torch"):
 - torchrun's parser: `--shutdown-timeout` is absent in 2.7, 2.8 and 2.11 (present in 2.13). Options we
   pass only to tune torchrun are dropped when its parser does not know them (`torchrun_args`); anything else
   still reaches torchrun, which refuses what it does not know as a configuration error.
-- torch.save's zip CRC32: 2.7 has no switch for it (`skip_zip_crc32` then does nothing; the store's
-  manifest checksums every file either way).
 - `dcp.save`'s return value: some releases fill `Metadata.storage_data`, some leave it None. We never read
-  it: the files a rank wrote are what our writer recorded (train_entry/checkpoint.py).
+  it: the files a rank wrote are what our storage writer recorded (train_entry/storage.py).
 - DCP's `DefaultStager`: absent in 2.7 and 2.8, and on some releases a reused stager fails its second
   `stage()` (KeyError: <class 'type'>). We stage into our own buffers (train_entry/staging.py), which need
   only `dtensor_like` from here.
@@ -51,19 +49,6 @@ def torchrun_args(args: list[str], parser: argparse.ArgumentParser) -> list[str]
             out += args[i:i + width]
         i += width
     return out
-
-
-def skip_zip_crc32() -> bool:
-    """Turn off torch.save's zip CRC32 where torch has the switch; returns whether it could."""
-    try:
-        from torch.utils.serialization import config
-    except ImportError:
-        return False
-    save = getattr(config, "save", None)
-    if save is None or not hasattr(save, "compute_crc32"):
-        return False
-    save.compute_crc32 = False
-    return True
 
 
 def dtensor_like(template: Any, local: Any) -> Any:

@@ -46,13 +46,8 @@ def truncate(path: Path, by: int = 10) -> None:
 
 def dcp_tensors(path: Path) -> dict[str, object]:
     """A whole checkpoint read in this (single) process, flattened: model, optimizer, RNG, position."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from train_entry.export import load_whole
 
-    sd: dict[str, object] = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
     flat: dict[str, object] = {}
 
     def walk(d: dict, prefix: str) -> None:
@@ -62,7 +57,7 @@ def dcp_tensors(path: Path) -> dict[str, object]:
             else:
                 flat[f"{prefix}{k}"] = v
 
-    walk(sd, "")
+    walk(load_whole(path), "")
     return flat
 
 

@@ -1,4 +1,6 @@
-"""The checkpointer's pieces without processes: checksums computed while writing, the save-pause hook."""
+"""The checkpointer's pieces in one process (a world of one, gloo): raw storage written and checksummed as it
+goes, read back bitwise, older torch-format checkpoints still readable, the staging arena reused, the
+save-pause hook."""
 
 from __future__ import annotations
 
@@ -7,34 +9,116 @@ import pytest
 from supervisor import store
 
 
-def test_digests_computed_while_writing_match_the_bytes_on_disk(tmp_path):
+@pytest.fixture(scope="module")
+def ctx():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train_entry.dist import DistContext
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        import torch
+
+        yield DistContext(0, 1, 0, torch.device("cpu"), "gloo", mesh, dist.new_group(backend="gloo"))
+    finally:
+        dist.destroy_process_group()
+
+
+def state(ctx) -> dict:
+    """Every kind of leaf a training state holds: sharded and plain tensors of several dtypes and shapes
+    (0-dim, empty), nested containers, bytes and strings."""
+    import torch
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": distribute_tensor(torch.randn(64, 33, generator=g), ctx.mesh, [Shard(0)]),
+                  "half": torch.randn(7, 5, generator=g).to(torch.bfloat16)},
+        "optim": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, 33, generator=g)}},
+                  "param_groups": [{"lr": 0.1, "params": ["w"]}]},
+        "ids": torch.arange(10, dtype=torch.int64), "empty": torch.empty(0, 4), "rng.rank0": b"\x00\x01\x02",
+        "train": '{"step": 5}',
+    }
+
+
+def flat(sd: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in sd.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def assert_equal(a: dict, b: dict) -> None:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    fa, fb = flat(a), flat(b)
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        x, y = fa[k], fb[k]
+        if isinstance(x, torch.Tensor):
+            x = x.full_tensor() if isinstance(x, DTensor) else x
+            y = y.full_tensor() if isinstance(y, DTensor) else y
+            assert x.dtype == y.dtype and torch.equal(x, y), k
+        else:
+            assert x == y, k
+
+
+def test_an_async_save_is_the_state_at_the_call_checksummed_as_written_and_loads_back_bitwise(ctx, tmp_path):
+    import copy
+
+    from train_entry.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(tmp_path, ctx, async_save=True)
+    live = state(ctx)
+    expected = copy.deepcopy(live)
+    ckpt.save(10, lambda: live, sync=False)
+    live["model"]["w"].to_local().add_(1.0)  # training goes on while the save persists
+    live["ids"].zero_()
+    ckpt.wait()
+    info = store.inspect(tmp_path / store.step_dirname(10), deep=True)  # every digest was computed while writing
+    assert info.valid, info.reason
+    assert sorted(f.name for f in info.manifest.files) == [".metadata", "__0_0.distcp"]
+    template = state(ctx)
+    for t in (template["model"]["w"].to_local(), template["ids"], template["optim"]["state"]["w"]["exp_avg"]):
+        t.zero_()
+    loaded = ckpt.load(info.path, lambda keys: template)
+    assert_equal(loaded, expected)
+
+
+def test_the_arena_is_allocated_once_and_reused_until_the_layout_changes(ctx, tmp_path):
+    from train_entry.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(tmp_path, ctx, async_save=True)
+    live = state(ctx)
+    for step in (1, 2, 3):
+        ckpt.save(step, lambda: live, sync=False)
+        arena = ckpt._stager.arena
+    ckpt.wait()
+    assert ckpt._stager.allocations == 1 and arena.data_ptr() == ckpt._stager.arena.data_ptr()
+    assert [i.step for i in store.scan(tmp_path) if i.valid] == [1, 2, 3]
     import torch
 
-    from train_entry.checkpoint import _HashingFileSystem
-
-    fs = _HashingFileSystem()
-    with fs.create_stream(tmp_path / "__0_0.distcp", "wb") as stream:
-        for i in range(3):  # DCP writes tensors one after another with torch.save
-            torch.save(torch.arange(1000 * (i + 1), dtype=torch.float32), stream)
-    with fs.create_stream(tmp_path / ".metadata.tmp", "wb") as stream:
-        stream.write(b"metadata")
-    (tmp_path / ".metadata.tmp").rename(tmp_path / ".metadata")
-    assert fs.digests["__0_0.distcp"] == store.checksum_file(tmp_path / "__0_0.distcp")
-    assert fs.digests[".metadata"] == store.checksum_file(tmp_path / ".metadata")
-    records = store.describe_files(tmp_path, ["__0_0.distcp", ".metadata"], known=fs.digests)
-    assert {r.name: r.checksum for r in records} == fs.digests
+    live["ids"] = torch.arange(11)  # the state's layout changed: a new arena
+    ckpt.save(4, lambda: live, sync=True)
+    ckpt.save(5, lambda: live, sync=False)
+    ckpt.wait()
+    assert ckpt._stager.allocations == 2
 
 
-def test_a_seek_falls_back_to_reading_the_file_back(tmp_path):
-    from train_entry.checkpoint import _HashingFileSystem
+def test_a_checkpoint_written_by_torchs_own_writer_still_loads(ctx, tmp_path):
+    import torch.distributed.checkpoint as dcp
 
-    fs = _HashingFileSystem()
-    with fs.create_stream(tmp_path / "f", "wb") as stream:
-        stream.write(b"aaaa")
-        stream.seek(0)
-        stream.write(b"b")
-    assert "f" not in fs.digests
-    assert store.describe_files(tmp_path, ["f"], known=fs.digests)[0].checksum == store.checksum_file(tmp_path / "f")
+    from train_entry.checkpoint import Checkpointer
+
+    sd = state(ctx)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "old"), process_group=ctx.ckpt_group)
+    template = state(ctx)
+    template["model"]["w"].to_local().zero_()
+    loaded = Checkpointer(tmp_path, ctx, async_save=False).load(tmp_path / "old", lambda keys: template)
+    assert_equal(loaded, state(ctx))
 
 
 def test_save_pause_parsing():
@@ -42,5 +126,6 @@ def test_save_pause_parsing():
 
     assert SavePause.parse("mid_data:30") == SavePause("mid_data", 30.0, None)
     assert SavePause.parse("before_marker:2.5@20") == SavePause("before_marker", 2.5, 20)
+    assert SavePause.parse("before_marker:enospc@40") == SavePause("before_marker", 0.0, 40, fill_disk=True)
     with pytest.raises(ValueError):
         SavePause.parse("sometime:3")

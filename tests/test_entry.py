@@ -190,16 +190,20 @@ def test_nan_loss_exits_nan_and_never_saves_that_step(tmp_path):
     assert store.latest_valid(tmp_path / "checkpoints").step == 10
 
 
-def test_final_checkpoint_converts_to_a_single_torch_file(tmp_path):
+def test_final_checkpoint_exports_to_a_single_torch_file(tmp_path):
+    import subprocess
+    import sys
+
     import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     run_to_end(tmp_path, 2, ["--steps", "12", "--ckpt-interval", "100"], "run")
     final = store.latest_valid(tmp_path / "checkpoints")
     assert final.step == 12
-    dcp_to_torch_save(final.path, tmp_path / "model.pt")
+    out = subprocess.run([sys.executable, "-m", "train_entry.export", str(final.path), str(tmp_path / "model.pt")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "step 12" in out.stdout, out.stderr
     sd = torch.load(tmp_path / "model.pt", weights_only=False)
-    assert sd["model"]["tok_emb.weight"].shape == (256, 64)
+    assert sd["model"]["tok_emb.weight"].shape == (256, 64)  # whole: both ranks' shards of dim 0
     assert json.loads(sd["train"])["step"] == 12
 
 

@@ -1,33 +1,33 @@
 """Saving and loading through DCP, following the store's protocol (supervisor.store).
 
-A save, on every rank: rank 0 opens the partial folder; all ranks write their shards with DCP (each file
-fsynced) on the dedicated gloo checkpoint group; each rank checksums its own files; rank 0 gathers the
-records and commits (marker last, folder renamed). With `async_save`, the training thread blocks only
-while the state is copied to host memory; the rest runs in one background thread, at most one save in
-flight, so host memory holds at most one extra copy of this rank's shard of the state.
+A save, on every rank: rank 0 opens the partial folder; all ranks write their shards through DCP on the
+dedicated gloo checkpoint group, raw and checksummed as they are written (train_entry/storage.py); rank 0
+gathers the records and commits (marker last, folder renamed). With `async_save`, the training thread blocks
+only while the state is copied into the host arena (train_entry/staging.py); the rest runs in one background
+thread whose heavy work (writing, fsync, checksums) runs with the GIL released, at most one save in flight,
+so host memory holds one staging copy of this rank's shard. A synchronous save on CUDA stages too (the
+fastest way off the device); on the CPU it writes the live tensors.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 
-from supervisor import store, torchcompat
+from supervisor import store
 from supervisor.protocol import CommitRecord
 from train_entry.dist import DistContext
 from train_entry.staging import HostStager
+from train_entry.storage import RawReader, RawWriter
 
 log = logging.getLogger("train_entry")
 
@@ -80,80 +80,9 @@ class SavePause:
         time.sleep(self.seconds)
 
 
-class _HashingStream:
-    """A file being written, checksummed on the way: no second pass over the data to describe it."""
-
-    def __init__(self, f: Any):
-        self._f = f
-        self._h = store.hasher()
-        self.sequential = True
-
-    def write(self, b: Any) -> int:
-        n = self._f.write(b)
-        self._h.update(b)
-        return n
-
-    def seek(self, *args: Any) -> int:
-        self.sequential = False  # a rewrite would break the running digest: read it back instead
-        return self._f.seek(*args)
-
-    def hexdigest(self) -> str | None:
-        return self._h.hexdigest() if self.sequential else None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-
-class _HashingFileSystem(FileSystem):
-    """DCP's file system, recording every file written through it (the rank's own files of the save) and
-    the checksum of each one written front to back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: set[str] = set()
-        self.digests: dict[str, str] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            name = Path(path).name.removesuffix(".tmp")  # DCP renames .metadata.tmp
-            self.written.add(name)
-            hs = _HashingStream(stream)
-            yield hs
-            digest = hs.hexdigest()
-            if digest is not None:
-                self.digests[name] = digest
-
-
-class _Writer(FileSystemWriter):
-    """FileSystemWriter that fsyncs every file, checksums what it writes, and can pause after its data
-    (before DCP's .metadata)."""
-
-    def __init__(self, path: Path, step: int, pause: SavePause | None):
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
-        self.fs = _HashingFileSystem()
-        self._step, self._pause = step, pause
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        fut = super().write_data(plan, planner)
-        if self._pause is not None:
-            fut.wait()
-            self._pause.maybe("mid_data", self._step)
-        return fut
-
-
 class Checkpointer:
     def __init__(self, root: str | Path, ctx: DistContext, *, async_save: bool,
-                 on_committed: Callable[[CommitRecord], None] | None = None, pause: SavePause | None = None,
-                 zip_crc32: bool = False):
-        if not zip_crc32:
-            # DCP writes every tensor with torch.save, whose zip container computes a CRC32 of every byte:
-            # about half of a save's CPU time here (bench/checkpoint_save.py), and redundant with the
-            # manifest's checksums. Torch's process-wide setting where it has one; loading is unaffected.
-            torchcompat.skip_zip_crc32()
+                 on_committed: Callable[[CommitRecord], None] | None = None, pause: SavePause | None = None):
         self.root = Path(root)
         self.ctx = ctx
         self.async_save = async_save
@@ -177,8 +106,12 @@ class Checkpointer:
         self.wait()
         sd = state_dict()
         if sync or not self.async_save:
+            on_device = self.ctx.device.type != "cpu"
             try:
-                self._persist(step, sd, extra or {}, t0, blocking_s=None)
+                if on_device:
+                    sd = self._stage(sd)
+                self._persist(step, sd, extra or {}, t0, blocking_s=None, arena=self._stager.arena if on_device
+                              else None)
             except Exception as e:  # the same news as a failed background save: the supervisor classifies it
                 raise CheckpointError(f"checkpoint save failed: {e}") from e
             return time.monotonic() - t0
@@ -186,7 +119,8 @@ class Checkpointer:
         blocking = time.monotonic() - t0
         self.in_flight = step
         self._thread = threading.Thread(target=self._persist_in_background, name=f"resilient-save-{step}",
-                                        args=(step, staged, extra or {}, t0, blocking), daemon=True)
+                                        args=(step, staged, extra or {}, t0, blocking, self._stager.arena),
+                                        daemon=True)
         self._thread.start()
         return blocking
 
@@ -194,7 +128,7 @@ class Checkpointer:
         allocations = self._stager.allocations
         staged = self._stager.stage(sd)
         if self._stager.allocations != allocations:
-            log.info("staging buffers allocated: %.1f MB of %s host memory, reused by the next saves while the "
+            log.info("staging arena allocated: %.1f MB of %s host memory, reused by the next saves while the "
                      "state keeps its layout", self._stager.nbytes / 1e6,
                      "pinned" if self._stager.pin_memory else "pageable")
         return staged
@@ -216,16 +150,19 @@ class Checkpointer:
             self._error = e
 
     def _persist(self, step: int, sd: dict[str, Any], extra: dict[str, Any], t0: float,
-                 blocking_s: float | None) -> None:
+                 blocking_s: float | None, arena: Any = None) -> None:
         ctx, group = self.ctx, self.ctx.ckpt_group
         partial = store.begin(self.root, step) if ctx.is_main else None
         path = store.partial_path(self.root, step)
         try:
             dist.barrier(group=group)  # the folder exists before anyone writes into it
-            writer = _Writer(path, step, self.pause)
+            pause = self.pause
+            writer = RawWriter(path, arena=arena,
+                               after_data=(lambda: pause.maybe("mid_data", step, path)) if pause else None)
             dcp.save(sd, storage_writer=writer, process_group=group)
-            # The files this rank wrote, as our writer saw them (what dcp.save returns differs by release).
-            records = store.describe_files(path, sorted(writer.fs.written), known=writer.fs.digests)
+            # The files this rank wrote, checksummed as they were written (what dcp.save returns differs by
+            # release, and is not needed).
+            records = [store.FileRecord(f.name, f.size, f.digest) for f in writer.written]
             gathered: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
             dist.gather_object(records, gathered, dst=0, group=group)
             if partial is not None:
@@ -249,8 +186,8 @@ class Checkpointer:
 
     def load(self, path: Path, template: Callable[[set[str]], dict[str, Any]]) -> dict[str, Any]:
         """Read the checkpoint at `path` into `template(keys in the checkpoint)`; DCP reshards as needed."""
-        reader = FileSystemReader(path)
+        reader = RawReader(path)
         keys = set(reader.read_metadata().state_dict_metadata)
         sd = template(keys)
-        dcp.load(sd, storage_reader=reader)
+        dcp.load(sd, storage_reader=reader, process_group=self.ctx.ckpt_group)
         return sd

@@ -1,0 +1,48 @@
+"""One checkpoint, whole, as a single torch.save file: `python -m train_entry.export CHECKPOINT OUT.pt`.
+
+Reads every rank's shards (any world size) through resilient's storage layer, in this one process, without
+a process group: the final model of a finished run, for evaluation or serving.
+
+    python -m train_entry.export runs/tiny-cpu/checkpoints/step_000000300 model.pt
+    state = torch.load("model.pt", weights_only=False)   # state["model"], state["optim"], state["train"], ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from supervisor import store
+from train_entry.storage import RawReader
+
+
+def load_whole(checkpoint: str | Path) -> dict[str, Any]:
+    """Everything the checkpoint holds, as plain (unsharded) tensors and objects, nested as saved."""
+    sd: dict[str, Any] = {}
+    _load_state_dict(sd, storage_reader=RawReader(checkpoint), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return sd
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train_entry.export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a step_<N> folder")
+    p.add_argument("out", help="the .pt file to write")
+    args = p.parse_args(argv)
+    info = store.inspect(args.checkpoint, deep=True)
+    if not info.valid:
+        print(f"{args.checkpoint}: not a valid checkpoint ({info.status.value}: {info.reason})", file=sys.stderr)
+        return 1
+    torch.save(load_whole(args.checkpoint), args.out)
+    print(f"{args.out}: step {info.step}, {info.size_bytes / 1e6:.1f} MB of shards from {info.world_size} rank(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
