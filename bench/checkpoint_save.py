@@ -1,31 +1,24 @@
-"""Benchmark of checkpoint saves through the project's own `Checkpointer` (FSDP2 + DCP, CPU/gloo, 2 ranks).
+"""Checkpoint saves and loads through the project's own `Checkpointer`, each beside its hardware floor.
 
-What it measures, in one torchrun job that this script launches itself:
+    python bench/checkpoint_save.py                       # CPU: 1 GB of state over 2 gloo ranks
+    python bench/checkpoint_save.py --device cuda --nproc 1 --gb 2   # one GPU (NCCL), pinned staging
 
-1. An FSDP2 model (`train_entry.model.GPT`, `fully_shard` per block then the root) sized so that fp32
-   parameters + AdamW state (two moments) come to `--gb` GB (1e9 bytes), one optimizer step taken so the
-   AdamW state exists.
-2. Saves with `train_entry.checkpoint.Checkpointer` and `train_entry.state.TrainState` (the store's protocol:
-   DCP write + fsync, per-rank checksums, marker, rename): one first sync save (cold start), then `--saves`
-   rounds of [Checkpointer sync save, plain `dcp.save` of the same state (no store protocol), raw write of
-   the same bytes] in rotating order, then `--saves` async saves with `--steps-between` training steps
-   between each save call and its `wait()`.
-   * blocking time = what `Checkpointer.save` returns (the training thread's stall), the slowest rank;
-   * async time to commit = `Checkpointer.last_save_s` (call → marker written and folder renamed);
-   * raw write = each rank writes the size of its own DCP file from a Python loop of 8 MiB writes of
-     random bytes, then `os.fdatasync`, both ranks at once (DCP's one file per rank); GB/s = both files'
-     bytes / the slower rank's wall time. Sync save GB/s = checkpoint bytes / sync save wall time.
-3. Host memory per rank (VmRSS, and VmHWM reset before each phase through /proc/self/clear_refs): at start,
-   after the model build, the steady training peak, and the peak during sync and async saves; the async
-   increase over the steady peak is compared with the size of this rank's shard of the state (the async
-   snapshot is one extra host copy of it).
+One torchrun job that this script launches itself. Each rank builds an FSDP2 GPT (`train_entry.model`) whose
+fp32 parameters + AdamW moments come to `--gb` GB over all ranks, takes a step, then measures, all on the
+same bytes (this rank's shard) and in the same run:
 
-Prints markdown tables and writes bench/results/checkpoint_save.json; the temp checkpoints are removed.
+- floors: the copy of the rank's tensors into host buffers allocated beforehand (one synchronize on CUDA);
+  a raw write of the rank's file's size + fdatasync; a plain sequential read of the rank's checkpoint files
+  after evicting them from the page cache (posix_fadvise DONTNEED);
+- sync saves (`Checkpointer.save(sync=True)`): seconds and GB/s, ÷ the raw write;
+- async saves, training steps running until each commits: the blocking part (first save, which allocates
+  the arena, and the later ones) ÷ the copy floor; call → commit and persist GB/s ÷ the raw write; the
+  steps that ran while a save persisted ÷ steady steps;
+- loads (`Checkpointer.load` of the same checkpoint, evicted first): GB/s ÷ the plain read;
+- host memory: the staging arena and the RSS peak during async saves, against the rank's shard.
 
-    python bench/checkpoint_save.py                  # 1 GB of state, 3 saves of each kind (≈ 1-2 min)
-    python bench/checkpoint_save.py --gb 0.1 --saves 2   # a quick look
-
-Timings on a shared machine are noisy: compare numbers from the same run only.
+Prints a markdown table and writes bench/results/checkpoint_save.json. Timings on a shared machine are
+noisy: compare figures from the same run only.
 """
 
 from __future__ import annotations
@@ -45,11 +38,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CHUNK = 8 << 20
-
-
-# --------------------------------------------------------------------------------------------------
-# Host memory, from /proc/self/status
+CHUNK = 64 << 20
 
 
 def _status_mb(field: str) -> float:
@@ -60,22 +49,38 @@ def _status_mb(field: str) -> float:
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
-def rss_mb() -> float:
-    return _status_mb("VmRSS")
-
-
-def peak_mb() -> float:
-    return _status_mb("VmHWM")
-
-
 def reset_peak() -> None:
-    """Reset VmHWM to the current RSS (Linux ≥ 4.0; a process may do this to itself without root)."""
+    """Reset VmHWM to the current RSS (a process may do this to itself)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
 
-# --------------------------------------------------------------------------------------------------
-# The worker: one rank of the torchrun job
+def evict(paths: list[Path]) -> None:
+    """Drop these files' pages from the page cache, so the next read comes from the disk."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def plain_read(paths: list[Path]) -> int:
+    buf = bytearray(CHUNK)
+    total = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
+def raw_write(path: Path, source: memoryview) -> None:
+    with open(path, "wb", buffering=0) as f:
+        for start in range(0, len(source), CHUNK):
+            f.write(source[start:start + CHUNK])
+        os.fdatasync(f.fileno())
 
 
 def model_config(gb: float, layers: int) -> Any:
@@ -84,165 +89,138 @@ def model_config(gb: float, layers: int) -> Any:
 
     vocab, seq = 256, 32
     params = gb * 1e9 / 12
-    # params ≈ layers·(12 d² + 13 d) + (2 vocab + seq + 2) d: solve for d, a multiple of the 8 heads.
-    a, b = 12 * layers, 13 * layers + 2 * vocab + seq + 2
+    a, b = 12 * layers, 13 * layers + 2 * vocab + seq + 2  # params ≈ layers·(12 d² + 13 d) + (2 vocab + seq + 2) d
     d = (-b + (b * b + 4 * a * params) ** 0.5) / (2 * a)
     return GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=layers, n_head=8, n_embd=max(8, round(d / 8) * 8),
                      dropout=0.0)
 
 
-def local_bytes(tensors: Any) -> int:
-    from torch.distributed.tensor import DTensor
-
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
-
-
-def raw_write(path: Path, nbytes: int, pool: bytes) -> None:
-    """What DCP does per rank, minus serialisation: sequential writes, then fdatasync."""
-    view = memoryview(pool)
-    with open(path, "wb", buffering=0) as f:
-        done = 0
-        while done < nbytes:
-            n = min(CHUNK, nbytes - done)
-            start = (done // CHUNK * 4099) % (len(pool) - CHUNK)  # no repeated 4 KiB blocks
-            f.write(view[start:start + n])
-            done += n
-        os.fdatasync(f.fileno())
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.fsdp import fully_shard
-    from torch.utils.serialization import config as serialization_config
 
     from supervisor import store
     from train_entry import dist as dist_util
     from train_entry.checkpoint import Checkpointer
     from train_entry.model import GPT
+    from train_entry.staging import _local
     from train_entry.state import TrainState
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    dist_util.die_with_parent()  # a killed torchrun (the launcher's cleanup) takes this rank with it
-    ctx = dist_util.init(args.collective_timeout_s, "cpu")
+    dist_util.die_with_parent()
+    ctx = dist_util.init(args.collective_timeout_s, args.device)
     group, rank, root = ctx.ckpt_group, ctx.rank, Path(args.root)
-    mem: dict[str, float] = {"start_rss": rss_mb()}
-
     cfg = model_config(args.gb, args.layers)
-    t0 = time.monotonic()
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(ctx.device)
     for block in model.blocks:
         fully_shard(block, mesh=ctx.mesh)
     fully_shard(model, mesh=ctx.mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = TrainState(model, optimizer)
     gen = torch.Generator().manual_seed(1 + rank)
+    sync_device = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
 
     def train_step() -> float:
         t = time.monotonic()
-        x = torch.randint(cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen)
+        x = torch.randint(cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen).to(ctx.device)
         (model(x, x) / x.numel()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        sync_device()
         state.step += 1
         return time.monotonic() - t
 
-    train_step()  # AdamW state exists from here on
-    build_s = time.monotonic() - t0
-    opt_tensors = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    shard = {"params": local_bytes(model.parameters()), "optim": local_bytes(opt_tensors)}
-    mem["after_build_rss"] = rss_mb()
+    for _ in range(3):  # AdamW state exists from the first; the allocator settles over the next
+        train_step()
+    steady = [train_step() for _ in range(args.steps)]
+    sd_fn = lambda: state.state_dict(rank, ctx.device)  # noqa: E731
+    tensors = [_local(t) for t in _tensors(sd_fn())]
+    shard_bytes = sum(t.numel() * t.element_size() for t in tensors)
 
-    train_step()  # the first steps are slower (the allocator grows): not steady
-    pool = os.urandom(64 << 20)  # for the raw writes; allocated before any baseline memory reading
-    reset_peak()
-    steady_steps = [train_step() for _ in range(args.steps_between)]
-    mem["steady_peak"], mem["steady_rss"] = peak_mb(), rss_mb()
+    # ---- the copy floor: into host buffers that already exist (pinned on CUDA), one synchronize
+    pinned = ctx.device.type == "cuda"
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]
+    copies = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        for h, t in zip(host, tensors, strict=True):
+            h.copy_(t.detach(), non_blocking=pinned)
+        sync_device()
+        copies.append(time.monotonic() - t0)
+    del host
 
     ckpt = Checkpointer(root / "ckpt", ctx, async_save=True)
-    sd_fn = lambda: state.state_dict(rank, ctx.device)  # noqa: E731
     step_dir = lambda s: root / "ckpt" / store.step_dirname(s)  # noqa: E731
     my_file = f"__{rank}_0.distcp"
 
-    def drop(*paths: Path) -> None:  # rank 0 deletes between measurements, outside the timed parts
-        dist.barrier(group=group)
-        if rank == 0:
-            for p in paths:
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    def barrier() -> None:
         dist.barrier(group=group)
 
-    # ---- sync: the first save, then rounds of [Checkpointer, plain DCP, raw write] in rotating order
-    mem["before_sync_rss"] = rss_mb()
-    reset_peak()
-    first_sync_s = ckpt.save(state.step, sd_fn, sync=True)
-    dist.barrier(group=group)  # ranks other than 0 return before rank 0 has committed
-    ckpt_bytes = store.inspect(step_dir(state.step)).manifest.total_bytes if rank == 0 else 0
-    my_bytes = (step_dir(state.step) / my_file).stat().st_size
-    drop(step_dir(state.step))
-
-    def checkpointer(r: dict[str, float], i: int) -> None:
-        with PhaseTimer() as timer:
-            r["sync_s"] = ckpt.save(state.step, sd_fn, sync=True)
-        r.update(timer.seconds)
-        dist.barrier(group=group)
-        r["state_dict_s"] = timed(sd_fn)  # parts of the save, timed again alone, warm cache
-        r["checksum_own_file_s"] = timed(lambda: store.describe_files(step_dir(state.step), [my_file]))
-        drop(step_dir(state.step))
-
-    def plain_dcp(r: dict[str, float], i: int) -> None:
-        before = serialization_config.save.compute_crc32  # the Checkpointer turned it off: put that back
-        for crc32 in (True, False):  # torch.save's zip CRC32 is a full pass over the data
-            path = root / f"dcp_only_{i}"
-            writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1,
-                                      overwrite=True)
-            dist.barrier(group=group)
-            serialization_config.save.compute_crc32 = crc32
-            try:
-                r["dcp_only_s" if crc32 else "dcp_no_crc32_s"] = timed(
-                    lambda: dcp.save(sd_fn(), storage_writer=writer, process_group=group))  # noqa: B023
-            finally:
-                serialization_config.save.compute_crc32 = before
-            drop(path)
-
-    def raw(r: dict[str, float], i: int) -> None:
-        path = root / f"raw_{rank}.bin"
-        dist.barrier(group=group)
-        r["raw_s"] = timed(lambda: raw_write(path, my_bytes, pool))
-        drop(path)
-
-    rounds: list[dict[str, float]] = []
-    kinds = [checkpointer, plain_dcp, raw]
+    # ---- sync saves, and the raw write of the same bytes
+    syncs, raws = [], []
     for i in range(args.saves):
-        state.step += 1  # a new folder name; the state itself need not change between sync saves
-        rounds.append({})
-        for measure in kinds[i % 3:] + kinds[:i % 3]:  # rotate the order: no kind always runs first
-            measure(rounds[-1], i)
-    mem["sync_peak"] = peak_mb()
+        state.step += 1
+        barrier()
+        t0 = time.monotonic()
+        ckpt.save(state.step, sd_fn, sync=True)
+        barrier()
+        syncs.append(time.monotonic() - t0)
+        my_bytes = (step_dir(state.step) / my_file).stat().st_size
+        source = memoryview(bytearray(os.urandom(1 << 20)) * max(1, my_bytes >> 20))[:my_bytes]
+        barrier()
+        t0 = time.monotonic()
+        raw_write(root / f"raw_{rank}_{i}.bin", source)
+        barrier()
+        raws.append(time.monotonic() - t0)
+        (root / f"raw_{rank}_{i}.bin").unlink()
+        del source
+    ckpt_bytes = store.inspect(step_dir(state.step)).manifest.total_bytes if rank == 0 else 0
+    files = sorted(step_dir(state.step).glob("__*_0.distcp"))
 
-    # ---- async: save, train, wait
-    asyncs: list[dict[str, Any]] = []
-    async_peak = 0.0
+    # ---- loads, and the plain read of the same files; both from the disk (evicted first)
+    loads, reads = [], []
     for _ in range(args.saves):
-        saved = state.step
-        reset_peak()
-        a: dict[str, Any] = {"blocking_s": ckpt.save(saved, sd_fn, sync=False), "rss_staged": rss_mb()}
-        a["steps_s"] = [train_step() for _ in range(args.steps_between)]
-        a["wait_s"] = timed(ckpt.wait)
-        a["to_commit_s"] = ckpt.last_save_s
-        a["peak"] = peak_mb()
-        async_peak = max(async_peak, a["peak"])
-        drop(step_dir(saved))
-        asyncs.append(a)
-    mem["async_peak"], mem["after_async_rss"] = async_peak, rss_mb()
-    steady_steps += [train_step() for _ in range(args.steps_between)]  # steady again: the load drifts
+        if rank == 0:
+            evict(files)
+        barrier()
+        t0 = time.monotonic()
+        sd = ckpt.load(step_dir(state.step), lambda keys: state.template(rank, keys))
+        state.load(sd, rank, ctx.device, 0)
+        sync_device()
+        barrier()
+        loads.append(time.monotonic() - t0)
+        if rank == 0:
+            evict(files)
+        barrier()
+        t0 = time.monotonic()
+        plain_read([f for f in files if f.name == my_file] if args.nproc > 1 else files)
+        barrier()
+        reads.append(time.monotonic() - t0)
 
+    # ---- async saves: training goes on until each commits
+    reset_peak()
+    rss_before = _status_mb("VmRSS")
+    asyncs = []
+    for _ in range(args.saves):
+        state.step += 1
+        barrier()
+        saved = state.step
+        blocking = ckpt.save(saved, sd_fn, sync=False)
+        during = []
+        while ckpt.in_flight is not None and ckpt._thread is not None and ckpt._thread.is_alive():
+            during.append(train_step())
+        ckpt.wait()
+        asyncs.append({"blocking_s": blocking, "to_commit_s": ckpt.last_save_s, "steps_s": during})
+        barrier()
+    steady += [train_step() for _ in range(args.steps)]  # steady again: the machine drifts
     mine = {"rank": rank, "params": sum(p.numel() for p in model.parameters()), "config": vars(cfg),
-            "shard_bytes": shard, "my_file_bytes": my_bytes, "ckpt_bytes": ckpt_bytes, "build_s": build_s,
-            "first_sync_s": first_sync_s, "rounds": rounds, "asyncs": asyncs, "steady_steps_s": steady_steps,
-            "mem_mb": mem}
+            "shard_bytes": shard_bytes, "ckpt_bytes": ckpt_bytes, "file_bytes": sum(f.stat().st_size for f in files),
+            "copy_floor_s": copies, "sync_s": syncs, "raw_write_s": raws, "load_s": loads, "plain_read_s": reads,
+            "asyncs": asyncs, "steady_steps_s": steady, "arena_bytes": ckpt._stager.nbytes,
+            "arena_allocations": ckpt._stager.allocations,
+            "async_rss_increase_mb": _status_mb("VmHWM") - rss_before}
     everyone: list[Any] | None = [None] * ctx.world_size if rank == 0 else None
     dist.gather_object(mine, everyone, dst=0, group=group)
     if rank == 0:
@@ -250,73 +228,85 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-class PhaseTimer:
-    """Seconds spent in the calls `Checkpointer._persist` makes, by wrapping them while a sync save runs.
+def _tensors(obj: Any) -> list[Any]:
+    import torch
 
-    The top-level calls (begin, barrier, save, describe_files, gather_object, commit) are counted only when
-    not nested in another (dcp.save makes its own barriers and gathers); `write_data` (serialise, write,
-    fsync) is part of `save`, and `fsync` counts every os.fsync (DCP's, and the store's of marker and folders).
-    """
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
-        from supervisor import store
-        from train_entry import checkpoint
-
-        top = [(store, "begin"), (dist, "barrier"), (dcp, "save"), (store, "describe_files"),
-               (dist, "gather_object"), (store.PartialCheckpoint, "commit")]
-        nested = [(checkpoint._Writer, "write_data"), (os, "fsync")]
-        self.targets = [(o, n, True) for o, n in top] + [(o, n, False) for o, n in nested]
-        self.seconds: dict[str, float] = {}
-        self._saved: list[tuple[Any, str, Any]] = []
-        self._depth = 0
-
-    def _wrap(self, owner: Any, name: str, top: bool) -> None:
-        fn = owner.__dict__[name]
-        key = f"in_{name}_s"
-
-        def timed_call(*args: Any, **kwargs: Any) -> Any:
-            counted = not top or self._depth == 0
-            self._depth += top
-            t = time.monotonic()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= top
-                if counted:
-                    self.seconds[key] = self.seconds.get(key, 0.0) + time.monotonic() - t
-
-        self._saved.append((owner, name, fn))
-        setattr(owner, name, timed_call)
-
-    def __enter__(self) -> PhaseTimer:
-        for owner, name, top in self.targets:
-            self._wrap(owner, name, top)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for owner, name, fn in reversed(self._saved):
-            setattr(owner, name, fn)
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
-def timed(fn: Any) -> float:
-    t = time.monotonic()
-    fn()
-    return time.monotonic() - t
+def summarise(ranks: list[dict[str, Any]], wall_s: float, args: argparse.Namespace) -> dict[str, Any]:
+    med = statistics.median
+    slowest = lambda key: [max(vals) for vals in zip(*(r[key] for r in ranks), strict=True)]  # noqa: E731
+    state = sum(r["shard_bytes"] for r in ranks)
+    ckpt = ranks[0]["ckpt_bytes"]
+    copy_s, sync_s, raw_s = slowest("copy_floor_s"), slowest("sync_s"), slowest("raw_write_s")
+    load_s, read_s = slowest("load_s"), slowest("plain_read_s")
+    blocking = [max(r["asyncs"][i]["blocking_s"] for r in ranks) for i in range(len(ranks[0]["asyncs"]))]
+    commit = [max(r["asyncs"][i]["to_commit_s"] for r in ranks) for i in range(len(ranks[0]["asyncs"]))]
+    during = [s for r in ranks for a in r["asyncs"] for s in a["steps_s"]]
+    steady = [s for r in ranks for s in r["steady_steps_s"]]
+    later = blocking[1:] or blocking
+    return {
+        "args": {k: str(v) for k, v in vars(args).items()}, "wall_s": round(wall_s, 1), "params": ranks[0]["params"],
+        "config": ranks[0]["config"], "state_bytes": state, "checkpoint_bytes": ckpt,
+        "copy_floor_s": med(copy_s), "raw_write_s": med(raw_s), "raw_write_gb_per_s": ckpt / 1e9 / med(raw_s),
+        "sync_save_s": med(sync_s), "sync_gb_per_s": ckpt / 1e9 / med(sync_s), "sync_vs_raw": med(raw_s) / med(sync_s),
+        "async_blocking_first_s": blocking[0], "async_blocking_later_s": med(later),
+        "async_blocking_vs_copy_floor": med(later) / med(copy_s), "async_to_commit_s": med(commit),
+        "persist_gb_per_s": ckpt / 1e9 / med(commit), "persist_vs_raw": med(raw_s) / med(commit),
+        "step_s_steady": med(steady), "step_s_while_persisting": med(during) if during else None,
+        "steps_while_persisting": len(during) // max(1, len(ranks)),
+        "step_slowdown_while_persisting": (med(during) / med(steady) - 1) if during else None,
+        "load_s": med(load_s), "plain_read_s": med(read_s), "load_vs_plain_read": med(read_s) / med(load_s),
+        "arena_bytes": [r["arena_bytes"] for r in ranks], "arena_allocations": [r["arena_allocations"] for r in ranks],
+        "shard_bytes": [r["shard_bytes"] for r in ranks],
+        "async_rss_increase_mb": [round(r["async_rss_increase_mb"]) for r in ranks],
+        "raw": {"copy_floor_s": copy_s, "sync_s": sync_s, "raw_write_s": raw_s, "load_s": load_s,
+                "plain_read_s": read_s, "async_blocking_s": blocking, "async_to_commit_s": commit},
+    }
 
 
-# --------------------------------------------------------------------------------------------------
-# The launcher: runs torchrun, cleans up, reports
+def report(o: dict[str, Any], args: argparse.Namespace) -> None:
+    gb = o["checkpoint_bytes"] / 1e9
+    c = o["config"]
+    print(f"\n### Checkpoints: {o['params'] / 1e6:.1f}M params (GPT {c['n_layer']}×{c['n_embd']}), checkpoint "
+          f"{gb:.2f} GB, {args.nproc} rank(s) on {args.device}\n")
+    print("| measure | ours | floor (same bytes, same run) | ratio | goal |")
+    print("|---|---:|---:|---:|---|")
+    print(f"| async save, training blocked: first (allocates) / later | {o['async_blocking_first_s']:.3f} / "
+          f"{o['async_blocking_later_s']:.3f} s | copy into host buffers {o['copy_floor_s']:.3f} s | "
+          f"{o['async_blocking_vs_copy_floor']:.2f}× | ≤ 2× |")
+    print(f"| async save, call → committed, training meanwhile | {o['async_to_commit_s']:.2f} s "
+          f"({o['persist_gb_per_s']:.2f} GB/s) | raw write + fdatasync {o['raw_write_s']:.2f} s "
+          f"({o['raw_write_gb_per_s']:.2f} GB/s) | {o['persist_vs_raw']:.2f} | ≥ 0.7 with cores to spare |")
+    print(f"| sync save | {o['sync_save_s']:.2f} s ({o['sync_gb_per_s']:.2f} GB/s) | raw write {o['raw_write_s']:.2f}"
+          f" s | {o['sync_vs_raw']:.2f} | ≥ 0.7 |")
+    slow = o["step_slowdown_while_persisting"]
+    print(f"| training step while a save persists / steady | "
+          f"{o['step_s_while_persisting'] or 0:.3f} / {o['step_s_steady']:.3f} s ({o['steps_while_persisting']} "
+          f"steps per save) | | {'-' if slow is None else f'{slow:+.0%}'} | ≤ +5% |")
+    print(f"| load from disk (page cache evicted) | {o['load_s']:.2f} s | plain sequential read {o['plain_read_s']:.2f}"
+          f" s | {o['load_vs_plain_read']:.2f} | ≥ 0.7 |")
+    arena = ", ".join(f"{a / 1e6:.0f}" for a in o["arena_bytes"])
+    shard = ", ".join(f"{s / 1e6:.0f}" for s in o["shard_bytes"])
+    print(f"| host memory: staging arena per rank (allocations) | {arena} MB ({o['arena_allocations']}) | "
+          f"shard {shard} MB | | one copy |")
+    print(f"| host memory: RSS peak during async saves over before, per rank | "
+          f"{', '.join(str(m) for m in o['async_rss_increase_mb'])} MB | | | |")
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="resilient-bench-ckpt-", dir=args.tmp))
     result = tmp / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-           "--max-restarts", "0", str(Path(__file__).resolve()), *argv,
-           "--worker", "--root", str(tmp), "--result", str(result)]
+           "--max-restarts", "0", str(Path(__file__).resolve()), *argv, "--worker", "--root", str(tmp),
+           "--result", str(result)]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
@@ -330,150 +320,29 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
             return rc
         ranks = json.loads(result.read_text())
     finally:
-        stop(proc)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
-    out = summarise(ranks, args, time.monotonic() - t0)
-    report(out)
+    out = summarise(ranks, time.monotonic() - t0, args)
+    report(out, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM torchrun (it forwards to the ranks), then SIGKILL after a deadline; ranks die with it."""
-    if proc.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, 40), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace, wall_s: float) -> dict[str, Any]:
-    r0 = ranks[0]
-    med = statistics.median
-    # Per save, the slowest rank is what training waits for.
-    slowest = lambda rows, key: [max(r[key] for r in per) for per in zip(*rows, strict=True)]  # noqa: E731
-    sync_s = slowest([r["rounds"] for r in ranks], "sync_s")
-    dcp_s = slowest([r["rounds"] for r in ranks], "dcp_only_s")
-    dcp_nocrc_s = slowest([r["rounds"] for r in ranks], "dcp_no_crc32_s")
-    raw_s = slowest([r["rounds"] for r in ranks], "raw_s")
-    block_s = slowest([r["asyncs"] for r in ranks], "blocking_s")
-    commit_s = slowest([r["asyncs"] for r in ranks], "to_commit_s")
-    wait_s = slowest([r["asyncs"] for r in ranks], "wait_s")
-    ckpt, raw_bytes = r0["ckpt_bytes"], sum(r["my_file_bytes"] for r in ranks)
-    state_bytes = sum(sum(r["shard_bytes"].values()) for r in ranks)
-    step_steady = med([s for r in ranks for s in r["steady_steps_s"]])
-    step_during = med([s for r in ranks for a in r["asyncs"] for s in a["steps_s"]])
-    memory = []
-    for r in ranks:
-        m, shard = r["mem_mb"], sum(r["shard_bytes"].values()) / 2**20
-        memory.append({"rank": r["rank"], **{k: round(v) for k, v in m.items()}, "shard_mb": round(shard),
-                       "async_increase_mb": round(m["async_peak"] - m["steady_peak"]),
-                       "async_increase_over_shard": (m["async_peak"] - m["steady_peak"]) / shard,
-                       "sync_increase_mb": round(m["sync_peak"] - m["before_sync_rss"])})
-    # What an async save costs the training: its stall, plus the slowdown of the steps that ran beside it
-    # (wait() found every save committed when the steps ended, so the whole save overlapped them).
-    lost_async = med(block_s) + args.steps_between * (step_during - step_steady) + med(wait_s)
-    return {
-        "args": {k: str(v) for k, v in vars(args).items()}, "wall_s": wall_s, "params": r0["params"],
-        "config": r0["config"], "state_bytes": state_bytes, "checkpoint_bytes": ckpt, "build_s": r0["build_s"],
-        "first_sync_s": max(r["first_sync_s"] for r in ranks),
-        "sync_s": sync_s, "dcp_only_s": dcp_s, "dcp_no_crc32_s": dcp_nocrc_s, "raw_write_s": raw_s,
-        "raw_write_bytes": raw_bytes, "dcp_no_crc32_gb_per_s": ckpt / 1e9 / med(dcp_nocrc_s),
-        "async_blocking_s": block_s, "async_to_commit_s": commit_s, "async_wait_after_steps_s": wait_s,
-        "sync_gb_per_s": ckpt / 1e9 / med(sync_s), "dcp_only_gb_per_s": ckpt / 1e9 / med(dcp_s),
-        "raw_gb_per_s": raw_bytes / 1e9 / med(raw_s),
-        "sync_vs_raw": (ckpt / med(sync_s)) / (raw_bytes / med(raw_s)),
-        "async_blocking_vs_sync": med(block_s) / med(sync_s),
-        "state_dict_s": med(x["state_dict_s"] for r in ranks for x in r["rounds"]),
-        "checksum_own_file_s": med(x["checksum_own_file_s"] for r in ranks for x in r["rounds"]),
-        "step_s_steady": step_steady, "step_s_during_async": step_during, "memory": memory,
-        "training_lost_per_save_s": {"sync": med(sync_s), "async": lost_async},
-        "sync_breakdown_s": breakdown(ranks),
-    }
-
-
-PARTS = {"in_begin_s": "store.begin (rank 0: partial folder + lock)", "in_barrier_s": "barrier (folder exists)",
-         "in_save_s": "dcp.save", "in_write_data_s": "  of which write_data (serialise + write + fsync)",
-         "in_fsync_s": "  fsync calls (DCP's and the store's)", "in_describe_files_s": "checksum own files",
-         "in_gather_object_s": "gather records to rank 0", "in_commit_s": "commit (marker, renames, fsyncs)"}
-TOP = ("in_begin_s", "in_barrier_s", "in_save_s", "in_describe_files_s", "in_gather_object_s", "in_commit_s")
-
-
-def breakdown(ranks: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """Per part of a sync save, each rank's median seconds over the rounds; `other` = total − parts."""
-    med = statistics.median
-    out = {k: [med(x.get(k, 0.0) for x in r["rounds"]) for r in ranks] for k in PARTS}
-    out["total"] = [med(x["sync_s"] for x in r["rounds"]) for r in ranks]
-    out["other"] = [med(x["sync_s"] - sum(x.get(k, 0.0) for k in TOP) for x in r["rounds"]) for r in ranks]
-    return out
-
-
-def report(o: dict[str, Any]) -> None:
-    gb, med = o["checkpoint_bytes"] / 1e9, statistics.median
-    fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-    c = o["config"]
-    print(f"\n### Checkpoint saves: {o['params'] / 1e6:.1f}M params (GPT {c['n_layer']}×{c['n_embd']}), "
-          f"state {o['state_bytes'] / 1e9:.2f} GB, checkpoint {gb:.2f} GB, 2 ranks CPU/gloo\n")
-    print("| measure | median | each save (s) | goal |")
-    print("|---|---:|---|---|")
-    print(f"| first sync save (cold start) | {o['first_sync_s']:.2f} s | | |")
-    print(f"| sync save, blocking | {med(o['sync_s']):.2f} s | {fmt(o['sync_s'])} | |")
-    print(f"| async save, blocking | {med(o['async_blocking_s']):.2f} s | {fmt(o['async_blocking_s'])} | |")
-    print(f"| async ÷ sync blocking | {o['async_blocking_vs_sync']:.0%} | | ≤ 15% |")
-    print(f"| async save, call → commit | {med(o['async_to_commit_s']):.2f} s | {fmt(o['async_to_commit_s'])} | |")
-    print(f"| async, wait() left after the steps | {med(o['async_wait_after_steps_s']):.2f} s | "
-          f"{fmt(o['async_wait_after_steps_s'])} | |")
-    print(f"| sync save throughput | {o['sync_gb_per_s']:.2f} GB/s | | |")
-    print(f"| plain dcp.save, same state (no store protocol) | {o['dcp_only_gb_per_s']:.2f} GB/s | "
-          f"{fmt(o['dcp_only_s'])} | |")
-    print(f"| plain dcp.save, torch.save's CRC32 off | {o['dcp_no_crc32_gb_per_s']:.2f} GB/s | "
-          f"{fmt(o['dcp_no_crc32_s'])} | |")
-    print(f"| raw write + fdatasync, 2 ranks at once | {o['raw_gb_per_s']:.2f} GB/s | {fmt(o['raw_write_s'])} | |")
-    print(f"| sync save ÷ raw write | {o['sync_vs_raw']:.0%} | | ≥ 70% |")
-    print(f"| in a sync save: state_dict() | {o['state_dict_s']:.3f} s | | |")
-    print(f"| in a sync save: checksum of own file (warm) | {o['checksum_own_file_s']:.3f} s | | |")
-    print(f"| training step: steady / during async saves | {o['step_s_steady']:.2f} / "
-          f"{o['step_s_during_async']:.2f} s | | |")
-    lost = o["training_lost_per_save_s"]
-    print(f"| training time lost per save: sync / async (stall + slower steps) | {lost['sync']:.2f} / "
-          f"{lost['async']:.2f} s | | |")
-    b = o["sync_breakdown_s"]
-    print("\n### Where a sync save's time goes (median s per rank, timed by wrapping the calls it makes)\n")
-    print("| part | " + " | ".join(f"rank {i}" for i in range(len(b["total"]))) + " |")
-    print("|---|" + "---:|" * len(b["total"]))
-    for key, label in [*PARTS.items(), ("other", "other (state_dict, Python)"), ("total", "total")]:
-        print(f"| {label} | " + " | ".join(f"{x:.2f}" for x in b[key]) + " |")
-    print("\n### Host memory per rank (MB; peaks are VmHWM, reset before each phase)\n")
-    print("| rank | start RSS | after build | training peak | sync saves: peak (over RSS before) | "
-          "async saves + training: peak | RSS after async | shard (params+optim) | async peak − training peak "
-          "| ÷ shard |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for m in o["memory"]:
-        print(f"| {m['rank']} | {m['start_rss']} | {m['after_build_rss']} | {m['steady_peak']} | {m['sync_peak']} "
-              f"(+{m['sync_increase_mb']}) | {m['async_peak']} | {m['after_async_rss']} | {m['shard_mb']} | "
-              f"+{m['async_increase_mb']} | {m['async_increase_over_shard']:.2f} |")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gb", type=float, default=1.0, help="params + AdamW state, GB (1e9 bytes)")
+    p.add_argument("--gb", type=float, default=1.0, help="params + AdamW state over all ranks, GB (1e9 bytes)")
     p.add_argument("--layers", type=int, default=8, help="transformer blocks (the width follows from --gb)")
-    p.add_argument("--saves", type=int, default=3, help="sync saves, and async saves, to time")
-    p.add_argument("--steps-between", type=int, default=2,
-                   help="training steps while an async save runs (and steady steps timed before the saves)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--saves", type=int, default=4, help="sync saves, loads and async saves to time")
+    p.add_argument("--steps", type=int, default=5, help="steady training steps timed before and after")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank per training step")
-    p.add_argument("--nproc", type=int, default=2, help="ranks")
-    p.add_argument("--timeout", type=float, default=600, help="seconds before the job is stopped")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (one per GPU with --device cuda)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before the job is stopped")
     p.add_argument("--collective-timeout-s", type=float, default=300)
     p.add_argument("--tmp", default=None, help="parent of the temp checkpoint folder (default: the system's)")
     p.add_argument("--out", type=Path, default=RESULTS / "checkpoint_save.json")

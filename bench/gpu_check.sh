@@ -5,7 +5,8 @@
 #
 # Installs the project beside that torch without touching it (--no-deps; falls back to running from the
 # checkout), prints the GPU, driver, torch, CUDA and NCCL versions, runs the GPU tests (tests/test_gpu.py), then
-# the GPT-2-small job (jobs/gpu-small.yaml) under `resilient run` with two SIGKILLs (bench/gpu_small.py).
+# the GPT-2-small job (jobs/gpu-small.yaml) under `resilient run` with two SIGKILLs (bench/gpu_small.py), then
+# the checkpoint benchmark on one GPU beside its floors (bench/checkpoint_save.py --device cuda).
 # Everything it prints also lands in OUT_DIR (default bench/results/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,5 +22,8 @@ python3 -m pytest -m gpu -p no:cacheprovider -v -rs 2>&1 | tee "$out/gpu_tests.t
 tests=${PIPESTATUS[0]}
 python3 bench/gpu_small.py --out "$out" 2>&1 | tee "$out/gpu_small.txt"
 small=${PIPESTATUS[0]}
-echo "gpu tests: exit $tests; GPT-2-small job: exit $small"
-exit $(( tests || small ))
+python3 bench/checkpoint_save.py --device cuda --nproc 1 --gb 2 --out "$out/checkpoint_save.json" 2>&1 \
+    | tee "$out/checkpoint_save.txt"
+saves=${PIPESTATUS[0]}
+echo "gpu tests: exit $tests; GPT-2-small job: exit $small; checkpoint bench: exit $saves"
+exit $(( tests || small || saves ))

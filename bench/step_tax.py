@@ -1,0 +1,117 @@
+"""What supervision costs each training step: the reference entry point under `resilient run` against the bare
+trainer, on the goodput benchmark's model, in one run.
+
+    python bench/step_tax.py [--steps 1000] [--trials 3]
+
+Two ways to train the same tiny GPT (2 CPU ranks, gloo, FSDP2, same data, optimizer and LR schedule), run
+in turns (A B A B ...: this VM drifts by 10-35 % within minutes), each for --steps steps with no checkpoint:
+    bare       bench/goodput/baseline_train.py under plain torchrun (no heartbeats, no agreement, no hooks)
+    resilient  `resilient run` of `-m train_entry` (heartbeats, the ranks' agreement, the step log,
+               prewarm server started after the first step, the supervisor watching)
+Both log every completed step from rank 0 in the same format; the step time of a trial is its steady mean:
+(t of its last step - t of step 100) / (steps - 100), so the start-up and the first steps are left out, and
+pauses (garbage collection, the heartbeat thread) are counted. The tax is resilient's mean over bare's,
+and each trial's figures are printed so the spread can be seen. Writes bench/results/step_tax.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+WARMUP = 100
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    return {k: v for k, v in e.items() if not k.startswith("RESILIENT_")}
+
+
+def run(argv: list[str], cwd: Path, timeout: float) -> None:
+    with open(cwd / "out.log", "wb") as log:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        finally:
+            seen = []
+            with contextlib.suppress(psutil.Error):
+                seen = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            psutil.wait_procs(seen, timeout=10)
+    if rc != 0:
+        raise SystemExit(f"{argv[:4]}... exited {rc}; see {cwd / 'out.log'}")
+
+
+def steady_mean(log: Path, steps: int) -> tuple[float, float]:
+    t = {}
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError, KeyError):
+            d = json.loads(line)
+            if "step" in d:
+                t[int(d["step"])] = float(d["t"])
+    gaps = [t[s + 1] - t[s] for s in range(WARMUP, steps) if s in t and s + 1 in t]
+    return (t[steps] - t[WARMUP]) / (steps - WARMUP), statistics.median(gaps)
+
+
+def bare(folder: Path, steps: int) -> tuple[float, float]:
+    log = folder / "steps.jsonl"
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(REPO / "bench" / "goodput" / "baseline_train.py"), "--steps", str(steps), "--snapshot-every", "0",
+         "--step-log", str(log)], folder, timeout=steps * 0.5 + 120)
+    return steady_mean(log, steps)
+
+
+def resilient(folder: Path, steps: int) -> tuple[float, float]:
+    run_dir = folder / "run"
+    run([sys.executable, "-m", "supervisor", "run", str(REPO / "jobs" / "tiny-cpu.yaml"), "--run-dir", str(run_dir),
+         "--set", f'entrypoint.args=["--steps", "{steps}", "--device", "cpu"]',
+         "--set", "checkpoint.interval_steps=1000000000"], folder, timeout=steps * 0.5 + 120)
+    return steady_mean(run_dir / "steps" / "attempt_1.jsonl", steps)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "step_tax.json")
+    args = p.parse_args()
+    rows: dict[str, list[tuple[float, float]]] = {"bare": [], "resilient": []}
+    with tempfile.TemporaryDirectory(prefix="resilient-step-tax-") as tmp:
+        for trial in range(args.trials):
+            for name, fn in (("bare", bare), ("resilient", resilient))[:: 1 if trial % 2 == 0 else -1]:
+                folder = Path(tmp) / f"{name}-{trial}"
+                folder.mkdir()
+                t0 = time.monotonic()
+                rows[name].append(fn(folder, args.steps))
+                mean, med = rows[name][-1]
+                print(f"trial {trial} {name:9s} steady mean {mean * 1e3:.2f} ms/step, median {med * 1e3:.2f} ms "
+                      f"({time.monotonic() - t0:.0f}s)", flush=True)
+    means = {k: statistics.mean(m for m, _ in v) for k, v in rows.items()}
+    pairs = [r / b - 1 for (b, _), (r, _) in zip(rows["bare"], rows["resilient"], strict=True)]
+    out = {"steps": args.steps, "trials": rows, "mean_step_s": means,
+           "tax_ms": (means["resilient"] - means["bare"]) * 1e3, "tax": means["resilient"] / means["bare"] - 1,
+           "tax_per_trial": pairs}
+    print(f"\nbare {means['bare'] * 1e3:.2f} ms/step, resilient {means['resilient'] * 1e3:.2f} ms/step: tax "
+          f"{out['tax_ms']:+.2f} ms ({out['tax']:+.1%}); per trial {', '.join(f'{x:+.1%}' for x in pairs)}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
