@@ -30,7 +30,7 @@ from supervisor.errors import ExitCode
 from supervisor.fsutil import atomic_write_json
 from supervisor.goodput import Accounting
 from supervisor.interval import IntervalTuner
-from supervisor.layout import RunLayout
+from supervisor.layout import RunLayout, recorded
 from supervisor.protocol import (
     CommitRecord,
     Control,
@@ -134,7 +134,8 @@ class Supervisor:
             with contextlib.suppress(state.StateFileError):
                 prev = state.read(self.layout.state_file)
         self._prev_updated_at = prev.updated_at if prev else None
-        rec = RunRecord(name=self.cfg.name, run_dir=str(self.cfg.run_dir), checkpoint_dir=str(self.cfg.checkpoint.dir),
+        rec = RunRecord(name=self.cfg.name, run_dir=".",  # paths relative to the run dir: layout.recorded
+                        checkpoint_dir=recorded(self.cfg.checkpoint.dir, self.cfg.run_dir),
                         node=self.layout.node, max_restarts=self.cfg.restart.max_restarts)
         if prev is not None:  # a rerun keeps the history, so status tells the whole story
             rec.history, rec.step, rec.last_checkpoint_step = prev.history, prev.step, prev.last_checkpoint_step
@@ -172,7 +173,8 @@ class Supervisor:
 
     def run(self) -> int:
         self.layout.node_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.layout.job_file, {"schema_version": 1, "job": self.cfg.to_dict()}, durable=False)
+        job = self.cfg.to_dict(relative_to=self.cfg.run_dir)
+        atomic_write_json(self.layout.job_file, {"schema_version": 1, "job": job}, durable=False)
         self.accounting.start_session(time.time())
         try:
             return self._loop()
@@ -269,7 +271,7 @@ class Supervisor:
                 indent=2) + "\n")
         self._announce(spec, choice)
         rec = AttemptRecord(attempt=spec.attempt, started_at=time.time(), resumed_from_step=choice.step,
-                            log_dir=str(spec.logs_dir),
+                            log_dir=recorded(spec.logs_dir, self.cfg.run_dir),
                             skipped=[f"{n}: {w}" for n, w in choice.skipped] or None)
         self._resume_noted = False
         self._group_pids: set[int] = set()
@@ -490,7 +492,8 @@ class Supervisor:
         self.console.event(f"attempt {spec.attempt}: hang — {first.describe()}; capturing stacks before stopping",
                            style="red")
         out = spec.logs_dir / "hang_evidence.json"
-        doc = evidence.capture(hangs, heartbeats, rank_stderr_paths(spec, heartbeats), out)
+        doc = evidence.capture(hangs, heartbeats, rank_stderr_paths(spec, heartbeats), out,
+                               run_dir=self.cfg.run_dir)
         dumped = [r["rank"] for r in doc["ranks"] if r.get("stack_dump")]
         self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'})")
         handle.stop(grace_s=HANG_STOP_GRACE_S)

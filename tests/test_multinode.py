@@ -166,7 +166,8 @@ def test_a_node_dies_and_the_other_finishes_alone(tmp_path, victim):
     failure, resumed = st["history"][0], st["history"][1]
     assert failure["reason"] in ("node_lost", "rendezvous"), failure
     assert resumed["resumed_from_step"] is not None and resumed["resumed_from_step"] >= before.step
-    assert any("resharded from 2 ranks" in p.read_text() for p in Path(resumed["log_dir"]).rglob("stderr.log"))
+    logs = tmp_path / "run" / resumed["log_dir"]  # state.json records it relative to the run dir
+    assert any("resharded from 2 ranks" in p.read_text() for p in logs.rglob("stderr.log"))
     assert f"finished at step {STEPS}" in console
     assert consumed_ids(tmp_path / "samples") == collections.Counter(range(STEPS * BATCH))
 

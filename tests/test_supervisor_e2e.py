@@ -77,7 +77,7 @@ def test_sigstop_is_a_hang_detected_within_the_timeout_with_a_stack_dump(tmp_pat
     evidence = json.loads((Path(hang["log_dir"]) / "hang_evidence.json").read_text())
     victim_facts = next(r for r in evidence["ranks"] if r["rank"] == victim["rank"])
     assert victim_facts["status"] == "stopped" and victim_facts.get("stack_dump"), victim_facts
-    stderr = Path(victim_facts["stderr"]).read_text()
+    stderr = (run_dir / victim_facts["stderr"]).read_text()  # recorded relative to the run dir
     assert "most recent call first" in stderr and "train_entry" in stderr
     assert doc["state"] == "succeeded"
 
