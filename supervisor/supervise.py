@@ -417,8 +417,10 @@ class Supervisor:
             plan = retention.plan(self.cfg.checkpoint.dir, store.scan(self.cfg.checkpoint.dir),
                                   self.cfg.checkpoint.keep, owner_alive=True)
             if plan.remove:
-                retention.apply(plan)
-                removed = "; removed " + ", ".join(p.path.name for p in plan.remove)
+                done = retention.apply(plan)  # what was really removed: a folder may resist (a read-only mount)
+                if done.removed:
+                    removed = "; removed " + ", ".join(r.path.name for r in done.removed)
+                removed += "".join(f"; could not remove {r.path.name}: {why}" for r, why in done.failed)
         blocked = self._blocking.pop(r.step, None)
         how = f"training blocked {blocked:.3f}s, " if blocked is not None else ""
         took = f" in {r.persist_s:.2f}s" if mine else " (committed by rank 0 on another node)"
