@@ -130,6 +130,24 @@ def gc(
     _guard(as_json, body)
 
 
+@app.command()
+def logs(
+    target: Optional[str] = typer.Argument(None, help="A job file or run dir (default: the current folder)."),  # noqa: UP045
+    rank: Optional[int] = typer.Option(None, "--rank", help="Only this rank."),  # noqa: UP045
+    attempt: Optional[int] = typer.Option(None, "--attempt", help="This attempt (default: the latest)."),  # noqa: UP045
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines, into each new attempt, "
+                                "until the run is over (Ctrl-C to leave)."),
+) -> None:
+    """A rank's output (default: the latest attempt, every rank, prefixed)."""
+
+    def body() -> int:
+        from supervisor.commands import logs as logs_cmd
+
+        return logs_cmd.main(target, rank, attempt, follow)
+
+    _guard(False, body)
+
+
 @app.command("rdzv-store")
 def rdzv_store(
     host: str = typer.Option("0.0.0.0", "--host", help="The address to listen on."),

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from supervisor import __version__, api, classify, evidence, retention, state, store
+from supervisor import __version__, api, classify, evidence, ranklogs, retention, state, store
 from supervisor.api import AttemptOutcome, AttemptSpec, ResumeChoice
 from supervisor.config import JobConfig
 from supervisor.console import EventConsole
@@ -335,6 +335,7 @@ class Supervisor:
             heartbeats = current_group(read_heartbeats(spec.heartbeat_dir)) or heartbeats
             watch.observe(heartbeats, now)
             handle.track(hb.pid for hb in heartbeats.values())
+            ranklogs.link(spec.logs_dir, heartbeats)
             self._follow_steps(steps.poll(), rec)
             self._follow_resume(rec, heartbeats)
             self._follow_group(rec, heartbeats)
@@ -348,6 +349,7 @@ class Supervisor:
             self._update_ranks(heartbeats, watch, now)
             if rc is not None:
                 heartbeats = read_heartbeats(spec.heartbeat_dir) or heartbeats
+                ranklogs.link(spec.logs_dir, heartbeats)
                 self._follow_steps(steps.poll(), rec)
                 self._update_ranks(heartbeats, watch, self.clock())
                 oom_after = oom_kills()
