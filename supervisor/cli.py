@@ -84,13 +84,17 @@ def status(
     as_json: bool = JSON,
     watch: bool = typer.Option(False, "--watch", help="Keep refreshing until the run ends (Ctrl-C to leave)."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Also draw the run's timeline to this PNG."),  # noqa: UP045
+    wait_ranks: bool = typer.Option(
+        False, "--wait-ranks", help="First wait until every rank of the current attempt is alive and training "
+        "(the run dir may not exist yet); exit 1 if the run ends or --wait-timeout passes first."),
+    wait_timeout: float = typer.Option(300.0, "--wait-timeout", help="Seconds --wait-ranks waits at most."),
 ) -> None:
     """The state of a run: live or finished."""
 
     def body() -> int:
         from supervisor.commands import status as status_cmd
 
-        return status_cmd.main(target, as_json, watch, plot=plot)
+        return status_cmd.main(target, as_json, watch, plot=plot, wait_ranks_s=wait_timeout if wait_ranks else None)
 
     _guard(as_json, body)
 

@@ -441,7 +441,7 @@ class Supervisor:
             self.console.event(f"attempt {rec.attempt}: torchrun re-formed the group in place (a node joined or "
                                f"left): world size {self._world} → {world}", style="yellow")
         self._group_pids = live
-        self._world = max(hb.world_size for hb in heartbeats.values())
+        self._world = rec.world_size = max(hb.world_size for hb in heartbeats.values())
 
     def _follow_resume(self, rec: AttemptRecord, heartbeats: dict[int, Heartbeat]) -> None:
         """The ranks agree on the resume step among all nodes; record the one they actually loaded."""
@@ -469,7 +469,8 @@ class Supervisor:
             if rank in slow:
                 note = f"straggler: {slow[rank]:.2f} own steps/s, far below the other ranks"
             ranks.append({"rank": rank, "node": hb.node, "pid": hb.pid, "step": hb.step, "phase": hb.phase,
-                          "heartbeat_at": hb.time, "heartbeat_age_s": round(ages.get(rank, 0.0), 2),
+                          "world_size": hb.world_size, "heartbeat_at": hb.time,
+                          "heartbeat_age_s": round(ages.get(rank, 0.0), 2),
                           "alive": hb.phase != "exited" and _pid_alive(hb.pid), "steps_per_s": hb.steps_per_s,
                           "own_steps_per_s": hb.own_steps_per_s, "hang_limit_s": round(watch.limit_s(rank), 2),
                           "note": note})
