@@ -439,6 +439,7 @@ SCHEMA: dict[str, Any] = {
     "stop_timeout_s": _duration(),
 }
 REQUIRED = ("name", "entrypoint")
+REQUIRED_EXAMPLE = {"name": "`name: my-job`", "entrypoint": "`entrypoint: {module: train_entry}`"}
 
 
 def _allowed(section: Mapping[str, Any]) -> str:
@@ -575,8 +576,9 @@ def _where(root: _Loc, dotted: str) -> str:
 def build_job(root: _Loc, path: Path) -> JobConfig:
     values = _check_tree(root, SCHEMA, "")
     for key in REQUIRED:
-        if key not in values:
-            raise ConfigError(f"{root.where}: required key {key!r} is missing; add it at the top level.")
+        if key not in values:  # no line holds a missing key: name the file, not its first line
+            raise ConfigError(f"{path}: required key {key!r} is missing; add it at the top level "
+                              f"(e.g. {REQUIRED_EXAMPLE[key]}).")
     base = path.resolve().parent
     name = values["name"]
 
@@ -644,4 +646,14 @@ def build_job(root: _Loc, path: Path) -> JobConfig:
         collective_timeout_s=values.get("collective_timeout_s", 600.0),
         stop_timeout_s=values.get("stop_timeout_s", 30.0),
         source=path.resolve(),
+        where=_locations(root, ""),
     )
+
+
+def _locations(tree: _Loc, prefix: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, loc in tree.value.items():
+        out[prefix + key] = loc.where
+        if isinstance(loc.value, dict):
+            out.update(_locations(loc, f"{prefix}{key}."))
+    return out
