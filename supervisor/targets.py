@@ -75,6 +75,9 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
         from supervisor.config import load_job  # only job-file targets pay for YAML validation
 
         job = load_job(path)
+        if not layout.looks_like_run_dir(job.run_dir) and not _holds_checkpoints(job.checkpoint.dir):
+            raise UsageError(f"{given}: no run of this job yet (nothing in {job.run_dir}); start it with "
+                             f"`resilient run {given}`.")
         return Target(given, job.run_dir, job.checkpoint.dir)
     name = path.name
     if store.STEP_RE.match(name) or store.PARTIAL_RE.match(name):

@@ -161,6 +161,12 @@ def test_every_light_command_gives_an_empty_folder_the_same_sentence(tmp_path, c
                                                   cli("gc", empty, "--keep", "1"), cli("logs", empty))}
     assert answers == {(2, f"resilient: {empty}: no run and no checkpoints here (no job.json, state.json or step_* "
                            "folders); pass a run dir, a job file or a checkpoint root.\n")}
+    job = tmp_path / "job.yaml"  # a job that never ran: the same agreement
+    job.write_text(JOB)
+    answers = {(r.exit_code, r.stderr) for r in (cli("status", job), cli("inspect-checkpoint", job),
+                                                  cli("gc", job, "--keep", "1"), cli("logs", job))}
+    assert answers == {(2, f"resilient: {job}: no run of this job yet (nothing in {tmp_path / 'runs/demo'}); start "
+                           f"it with `resilient run {job}`.\n")}
 
 
 def test_inspect_step_keeps_the_roots_latest_valid_in_its_head(tmp_path, cli):
