@@ -88,21 +88,23 @@ class FakeHandle:
         pass
 
 
-def finished_attempt(steps: tuple[int, ...] = (20, 40, 60), world: int = 2):
+def finished_attempt(steps: tuple[int, ...] = (20, 40, 60), world: int = 2, first_rank: int = 0):
     """A fake torchrun launcher for `supervisor.commands.run.make_launcher`: each attempt leaves what a finished
     2-rank attempt leaves (checkpoints written through the store, torchrun's per-rank log folders with a line
-    on each stream, heartbeats) and ends with 0. No process is started."""
+    on each stream, heartbeats) and ends with 0. `first_rank`: the global rank of local rank 0 (a second node).
+    No process is started."""
 
     def launch(cfg, spec, handover):
         for step in steps:
             write_checkpoint(cfg.checkpoint.dir, step)
-        for rank in range(world):
-            folder = spec.logs_dir / "ranks" / "fake-run_x1" / "attempt_0" / str(rank)
+        for local in range(world):
+            rank = first_rank + local
+            folder = spec.logs_dir / "ranks" / "fake-run_x1" / "attempt_0" / str(local)
             folder.mkdir(parents=True)
             (folder / "stdout.log").write_text(f"attempt {spec.attempt} hello from rank {rank}\n")
             (folder / "stderr.log").write_text(f"attempt {spec.attempt} warning from rank {rank}\n")
-            write_heartbeat(spec.heartbeat_dir, Heartbeat(rank=rank, pid=2**22 + rank, local_rank=rank,
-                                                          world_size=world, phase="train", step=steps[-1],
+            write_heartbeat(spec.heartbeat_dir, Heartbeat(rank=rank, pid=2**22 + rank, local_rank=local,
+                                                          world_size=first_rank + world, phase="train", step=steps[-1],
                                                           log_dir=str(folder)))
         return FakeHandle(spec.logs_dir / "torchrun.log", rc=0)
 

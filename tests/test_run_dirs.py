@@ -58,6 +58,17 @@ def test_a_run_records_paths_relative_to_its_run_dir(finished_run):
     assert (link / "stdout.log").read_text() == "attempt 1 hello from rank 1\n"
 
 
+def test_on_a_second_node_the_links_carry_global_ranks(tmp_path, cli, monkeypatch):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: finished_attempt(first_rank=2))
+    assert cli("run", job, "--run-dir", tmp_path / "run", "--node", "n2").exit_code == 0
+    logs = tmp_path / "run/nodes/n2/logs/attempt_1"
+    assert sorted(os.listdir(logs)) == ["rank_2", "rank_3", "ranks", "torchrun.log"]  # never by local rank here
+    assert os.readlink(logs / "rank_3") == "ranks/fake-run_x1/attempt_0/1"
+    assert cli("logs", tmp_path / "run", "--rank", "3").stdout.startswith("[rank 3 out] attempt 1 hello from rank 3")
+
+
 def test_status_json_resolves_recorded_paths_and_fills_world_size(finished_run, cli):
     run_dir = finished_run()
     doc = json.loads(cli("status", run_dir, "--json").stdout)
