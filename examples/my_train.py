@@ -1,6 +1,6 @@
 """A user's own torchrun training script made resumable with resilient's library: the five calls.
 
-    torchrun --nproc-per-node 2 examples/my_train.py            # plain torchrun: resumes from ./checkpoints
+    torchrun --nproc-per-node 2 examples/my_train.py            # plain torchrun: resumes from runs/my_train/checkpoints
     resilient run jobs/my-script.yaml                           # supervised: hangs, crashes, preemption
 
 The model (a small MLP learning y = sin(x)) is the user's; everything resilient needs is marked ◀.
@@ -24,7 +24,9 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=64, help="global batch")
     args = p.parse_args()
 
-    session = Session.start(ckpt_dir="checkpoints", ckpt_interval=50, seed=0)  # ◀ process group, heartbeats
+    # ◀ process group, heartbeats; under `resilient run` the job's checkpoint root replaces ckpt_dir. runs/ is
+    # git-ignored: plain torchrun from a clone leaves nothing untracked.
+    session = Session.start(ckpt_dir="runs/my_train/checkpoints", ckpt_interval=50, seed=0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
     for layer in model:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from supervisor import api, classify, evidence, store
+from supervisor import api, classify, evidence, ranklogs, store
 from supervisor.api import AttemptOutcome, AttemptSpec
 from supervisor.config import JobConfig
 from supervisor.console import EventConsole
@@ -111,6 +111,7 @@ class Attempt:
             heartbeats = current_group(read_heartbeats(self.spec.heartbeat_dir)) or heartbeats
             watch.observe(heartbeats, now)
             handle.track(hb.pid for hb in heartbeats.values())
+            ranklogs.link(self.spec.logs_dir, heartbeats)
             self.listener.on_records(self._steps.poll(), self.rec)
             self._follow_resume(heartbeats)
             self._follow_group(heartbeats)
@@ -133,6 +134,7 @@ class Attempt:
                oom_before: int | None) -> AttemptOutcome:
         """torchrun exited: classify from its summary, the ranks' last heartbeats and their logs."""
         heartbeats = read_heartbeats(self.spec.heartbeat_dir) or heartbeats
+        ranklogs.link(self.spec.logs_dir, heartbeats)
         self.listener.on_records(self._steps.poll(), self.rec)
         self._update_ranks(heartbeats, watch, self.clock())
         oom_after = oom_kills()
@@ -151,7 +153,8 @@ class Attempt:
         self.console.event(f"attempt {self.spec.attempt}: hang — {first.describe()}; capturing stacks before "
                            "stopping", style="red")
         out = self.spec.logs_dir / "hang_evidence.json"
-        doc = evidence.capture(hangs, heartbeats, rank_stderr_paths(self.spec, heartbeats), out)
+        doc = evidence.capture(hangs, heartbeats, rank_stderr_paths(self.spec, heartbeats), out,
+                               run_dir=self.cfg.run_dir)
         dumped = [r["rank"] for r in doc["ranks"] if r.get("stack_dump")]
         self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'})")
         handle.stop(grace_s=HANG_STOP_GRACE_S)
@@ -220,7 +223,8 @@ class Attempt:
             if rank in slow:
                 note = f"straggler: {slow[rank]:.2f} own steps/s, far below the other ranks"
             ranks.append({"rank": rank, "node": hb.node, "pid": hb.pid, "step": hb.step, "phase": hb.phase,
-                          "heartbeat_at": hb.time, "heartbeat_age_s": round(ages.get(rank, 0.0), 2),
+                          "world_size": hb.world_size, "heartbeat_at": hb.time,
+                          "heartbeat_age_s": round(ages.get(rank, 0.0), 2),
                           "alive": hb.phase != "exited" and _pid_alive(hb.pid), "steps_per_s": hb.steps_per_s,
                           "own_steps_per_s": hb.own_steps_per_s, "hang_limit_s": round(watch.limit_s(rank), 2),
                           "note": note})

@@ -84,13 +84,17 @@ def status(
     as_json: bool = JSON,
     watch: bool = typer.Option(False, "--watch", help="Keep refreshing until the run ends (Ctrl-C to leave)."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Also draw the run's timeline to this PNG."),  # noqa: UP045
+    wait_ranks: bool = typer.Option(
+        False, "--wait-ranks", help="First wait until every rank of the current attempt is alive and training "
+        "(the run dir may not exist yet); exit 1 if the run ends or --wait-timeout passes first."),
+    wait_timeout: float = typer.Option(300.0, "--wait-timeout", help="Seconds --wait-ranks waits at most."),
 ) -> None:
     """The state of a run: live or finished."""
 
     def body() -> int:
         from supervisor.commands import status as status_cmd
 
-        return status_cmd.main(target, as_json, watch, plot=plot)
+        return status_cmd.main(target, as_json, watch, plot=plot, wait_ranks_s=wait_timeout if wait_ranks else None)
 
     _guard(as_json, body)
 
@@ -128,6 +132,24 @@ def gc(
         return gc_cmd.main(target, keep, dry_run, as_json)
 
     _guard(as_json, body)
+
+
+@app.command()
+def logs(
+    target: Optional[str] = typer.Argument(None, help="A job file or run dir (default: the current folder)."),  # noqa: UP045
+    rank: Optional[int] = typer.Option(None, "--rank", help="Only this rank."),  # noqa: UP045
+    attempt: Optional[int] = typer.Option(None, "--attempt", help="This attempt (default: the latest)."),  # noqa: UP045
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines, into each new attempt, "
+                                "until the run is over (Ctrl-C to leave)."),
+) -> None:
+    """A rank's output (default: the latest attempt, every rank, prefixed)."""
+
+    def body() -> int:
+        from supervisor.commands import logs as logs_cmd
+
+        return logs_cmd.main(target, rank, attempt, follow)
+
+    _guard(False, body)
 
 
 @app.command("rdzv-store")

@@ -138,6 +138,8 @@ class JobConfig:
     """After SIGTERM, how long ranks get to checkpoint and exit before SIGKILL."""
     source: Path | None = None
     """The job file this came from (None when built in code)."""
+    where: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """Where each dotted key was set ("job.yaml:7" or "--set KEY=VALUE"), for errors found after loading."""
 
     @property
     def nnodes_range(self) -> tuple[int, int]:
@@ -149,18 +151,33 @@ class JobConfig:
         lo, hi = self.nnodes_range
         return lo != hi
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready copy (paths as strings), stored in the run dir for the light commands."""
-        return _jsonable(dataclasses.asdict(self))
+    def to_dict(self, *, relative_to: Path | None = None) -> dict[str, Any]:
+        """A JSON-ready copy (paths as strings), stored in the run dir for the light commands.
+
+        Args:
+            relative_to: the run dir: paths inside it are written relative to it (layout.recorded), so a
+                copied or moved run dir stays whole.
+        """
+        d = dataclasses.asdict(self)
+        del d["where"]
+        return _jsonable(d, relative_to)
+
+    def located(self, key: str) -> str:
+        """"job.yaml:7" for a dotted key (or the file alone when the key was not written there)."""
+        return self.where.get(key) or (str(self.source) if self.source else "the job")
 
 
-def _jsonable(obj: Any) -> Any:
+def _jsonable(obj: Any, base: Path | None) -> Any:
     if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
+        return {k: _jsonable(v, base) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
+        return [_jsonable(v, base) for v in obj]
     if isinstance(obj, Path):
-        return str(obj)
+        if base is None:
+            return str(obj)
+        from supervisor.layout import recorded
+
+        return recorded(obj, base)
     return obj
 
 
@@ -422,6 +439,7 @@ SCHEMA: dict[str, Any] = {
     "stop_timeout_s": _duration(),
 }
 REQUIRED = ("name", "entrypoint")
+REQUIRED_EXAMPLE = {"name": "`name: my-job`", "entrypoint": "`entrypoint: {module: train_entry}`"}
 
 
 def _allowed(section: Mapping[str, Any]) -> str:
@@ -558,8 +576,9 @@ def _where(root: _Loc, dotted: str) -> str:
 def build_job(root: _Loc, path: Path) -> JobConfig:
     values = _check_tree(root, SCHEMA, "")
     for key in REQUIRED:
-        if key not in values:
-            raise ConfigError(f"{root.where}: required key {key!r} is missing; add it at the top level.")
+        if key not in values:  # no line holds a missing key: name the file, not its first line
+            raise ConfigError(f"{path}: required key {key!r} is missing; add it at the top level "
+                              f"(e.g. {REQUIRED_EXAMPLE[key]}).")
     base = path.resolve().parent
     name = values["name"]
 
@@ -627,4 +646,14 @@ def build_job(root: _Loc, path: Path) -> JobConfig:
         collective_timeout_s=values.get("collective_timeout_s", 600.0),
         stop_timeout_s=values.get("stop_timeout_s", 30.0),
         source=path.resolve(),
+        where=_locations(root, ""),
     )
+
+
+def _locations(tree: _Loc, prefix: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, loc in tree.value.items():
+        out[prefix + key] = loc.where
+        if isinstance(loc.value, dict):
+            out.update(_locations(loc, f"{prefix}{key}."))
+    return out

@@ -4,7 +4,8 @@ For every rank: what the kernel says of the process (state — `T` for stopped, 
 wait channel, threads, CPU time), what its heartbeat last said, and every thread's Python stack: SIGUSR1
 makes the rank's faulthandler write them to its stderr log (a stopped rank is sent SIGCONT so it can).
 If `py-spy` is installed, its dump (native frames too) is kept beside. All of it lands in
-`<logs>/attempt_<k>/hang_evidence.json` and the stack dumps stay in the ranks' logs.
+`<logs>/attempt_<k>/hang_evidence.json` (its paths relative to the run dir) and the stack dumps stay in
+the ranks' logs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import psutil
 
+from supervisor.layout import recorded
 from supervisor.protocol import Heartbeat
 from supervisor.watch import Hang
 
@@ -57,14 +59,19 @@ def _dumped_since(path: Path, offset: int) -> bool:
 
 
 def capture(hangs: list[Hang], heartbeats: dict[int, Heartbeat], rank_stderr: dict[int, Path],
-            out: Path, wait_s: float = 3.0) -> dict[str, Any]:
-    """Collect evidence from every rank of the attempt, write it to `out`, and return it."""
+            out: Path, wait_s: float = 3.0, run_dir: Path | None = None) -> dict[str, Any]:
+    """Collect evidence from every rank of the attempt, write it to `out`, and return it. Paths inside
+    `run_dir` are written relative to it (layout.recorded), like every path a run records."""
+
+    def shown(path: Path) -> str:
+        return recorded(path, run_dir) if run_dir is not None else str(path)
+
     ranks: dict[int, dict[str, Any]] = {}
     offsets = {r: _size(rank_stderr.get(r)) for r in heartbeats}
     for rank, hb in sorted(heartbeats.items()):
         facts = _proc_facts(hb.pid)
         facts.update(rank=rank, phase=hb.phase, step=hb.step, heartbeat_seq=hb.seq,
-                     stderr=str(rank_stderr[rank]) if rank in rank_stderr else None)
+                     stderr=shown(rank_stderr[rank]) if rank in rank_stderr else None)
         ranks[rank] = facts
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(hb.pid)
@@ -75,7 +82,7 @@ def capture(hangs: list[Hang], heartbeats: dict[int, Heartbeat], rank_stderr: di
     deadline = time.monotonic() + wait_s
     while pending and time.monotonic() < deadline:  # bounded wait for the dumps to reach the logs
         for r in [r for r in pending if _dumped_since(rank_stderr[r], offsets[r])]:
-            ranks[r]["stack_dump"] = f"{rank_stderr[r]} (from byte {offsets[r]})"
+            ranks[r]["stack_dump"] = f"{shown(rank_stderr[r])} (from byte {offsets[r]})"
             pending.discard(r)
         time.sleep(0.05)
     if shutil.which("py-spy"):

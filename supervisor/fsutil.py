@@ -56,3 +56,21 @@ def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file; raises OSError or ValueError like `json.load`."""
     with open(path, "rb") as f:
         return json.loads(f.read())
+
+
+def write_problem(folder: str | os.PathLike) -> str | None:
+    """Why files cannot be created in `folder` (or, if it does not exist yet, where it would be created);
+    None when they can. Asks the kernel (access(2) reports a read-only mount even to root) and creates
+    nothing."""
+    p = Path(folder)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a folder"
+    if os.access(p, os.W_OK | os.X_OK):
+        return None
+    try:
+        read_only = bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return "read-only file system" if read_only else "permission denied"

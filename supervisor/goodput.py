@@ -7,7 +7,8 @@ step log of the node's local rank 0):
     train     first step → last step; of which
       blocking    training blocked by checkpoint saves
       lost        steps re-executed later: those beyond the step the next attempt resumed from
-    tail      last step → end of the attempt (detecting the failure, stopping the processes)
+    tail      last step → end of the attempt (the final or stop checkpoint and exit; or detecting a failure
+              and stopping the processes)
     down      end of an attempt → launch of the next (classifying, backoff)
 
 useful = train − lost − blocking (of the kept steps); goodput = useful / wall, where wall is the time a

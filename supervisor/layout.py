@@ -4,18 +4,28 @@
     <run_dir>/checkpoints/             the checkpoint root (default; `checkpoint.dir` moves it)
     <node_dir>/state.json              the supervisor's state, rewritten after every event
     <node_dir>/supervisor.lock         flock-ed by the live supervisor
-    <node_dir>/logs/attempt_<k>/       torchrun's output and each rank's stdout/stderr/error.json
+    <node_dir>/logs/attempt_<k>/       torchrun.log, and rank_<r>/ (a link to torchrun's folder for rank r:
+                                       stdout.log, stderr.log, error.json) under ranks/
     <node_dir>/heartbeats/attempt_<k>/ rank_<r>.json, rewritten by every rank at most once per interval
     <node_dir>/steps/attempt_<k>.jsonl rank 0's step log (step, wall time), for lost-work accounting
 
 `node_dir` is the run dir itself for a single-node job, and `<run_dir>/nodes/<node>` when several nodes
 share the run dir (each node's supervisor owns its own state, lock, logs and heartbeats).
+
+A run dir belongs to the user, who may copy, move or archive it: every path a run records that lies inside
+its run dir (job.json, state.json) is written relative to the run dir and resolved against the folder it is
+found in, so a copy acts on itself only. A path outside it (an absolute `checkpoint.dir`) is kept as it is.
+Files written before this rule hold absolute paths; a path inside the run dir they were written in is
+rebased onto the folder the run dir is found in now, never followed back to the old place.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from supervisor.fsutil import read_json
 
 JOB_FILE = "job.json"
 STATE_FILE = "state.json"
@@ -64,3 +74,45 @@ def node_dirs(run_dir: Path) -> list[Path]:
 
 def looks_like_run_dir(path: Path) -> bool:
     return (path / JOB_FILE).is_file() or bool(state_files(path))
+
+
+def recorded(path: str | os.PathLike, run_dir: Path) -> str:
+    """How a run records `path`: relative to `run_dir` when it lies inside it ("." for the run dir itself),
+    else absolute."""
+    try:
+        return Path(path).relative_to(run_dir).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def resolved(path: str | os.PathLike, run_dir: Path, written_in: str | os.PathLike | None = None) -> Path:
+    """A recorded path, resolved against the run dir as it is found now.
+
+    Args:
+        path: as recorded (relative to the run dir, or absolute).
+        run_dir: where the run dir is now.
+        written_in: the run dir's own path as an older file recorded it (absolute); a path inside it is
+            rebased onto `run_dir`.
+    """
+    p = Path(path)
+    if not p.is_absolute():
+        return run_dir / p
+    if written_in is not None and Path(written_in).is_absolute():
+        try:
+            return run_dir / p.relative_to(written_in)
+        except ValueError:
+            pass
+    return p
+
+
+def recorded_checkpoint_root(run_dir: Path) -> Path:
+    """The checkpoint root job.json records, resolved against `run_dir`; else the default <run_dir>/checkpoints."""
+    try:
+        job = read_json(run_dir / JOB_FILE)["job"]
+        return resolved(job["checkpoint"]["dir"], run_dir, job.get("run_dir"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return run_dir / "checkpoints"
+
+
+def inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents

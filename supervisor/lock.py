@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-from supervisor.errors import RunLockedError
+from supervisor.errors import RunLockedError, UsageError
 
 LOCK_FILE = "supervisor.lock"
 
@@ -28,8 +28,12 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         """Take the lock or raise RunLockedError naming the holder."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:  # `resilient run` checks first; this is the race with a remount
+            raise UsageError(f"{self.path.parent}: cannot take the run dir's lock ({e.strerror}); make the run dir "
+                             "writable, or pick another --run-dir.") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import sys
 from typing import Any
 
 from rich.console import Console
 
-err = Console(stderr=True, highlight=False)
-out = Console(highlight=False)
+PIPED_WIDTH = 10_000  # piped or redirected output is never wrapped mid-phrase; a terminal wraps at its width
+
+
+def _console(stderr: bool = False) -> Console:
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console.width = PIPED_WIDTH  # rich would assume 80 columns
+    return console
+
+
+err = _console(stderr=True)
+out = _console()
 
 STATUS_STYLE = {"valid": "green", "incomplete": "yellow", "corrupt": "red", "succeeded": "green", "finished": "green",
                 "running": "cyan", "restarting": "yellow", "failed": "red", "stopped": "magenta",

@@ -8,7 +8,10 @@ partial is older than the newest valid checkpoint).
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,15 +90,58 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
             remove.append(Removal(info.path, info.step, info.size_bytes, f"{info.status.value}: {info.reason}"))
     if root.is_dir():
         for trash in store.trash_dirs(root):
-            remove.append(Removal(trash, None, _folder_size(trash), "leftover of a superseded checkpoint"))
+            remove.append(Removal(trash, None, _folder_size(trash),
+                                  "leftover of a superseded or partly deleted checkpoint"))
     return Plan(kept, remove, spared)
 
 
-def apply(p: Plan) -> int:
-    """Delete what the plan says (invalid folders first, oldest valid last); returns bytes freed."""
-    freed = 0
+@dataclass(frozen=True)
+class Applied:
+    """What deleting a plan really did: only folders that are gone count as removed."""
+
+    removed: list[Removal]
+    failed: list[tuple[Removal, str]]  # with the reason, e.g. "Read-only file system"
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(r.size_bytes for r in self.removed)
+
+
+def _remove(r: Removal) -> str | None:
+    """Delete one folder; None when it is gone, else why not. A checkpoint is first renamed aside in one
+    atomic step, so a deletion that fails half-way never leaves a half-deleted `step_<N>` folder behind."""
+    path = r.path
+    if not path.name.startswith(store.TRASH_PREFIX):
+        aside = path.parent / f"{store.TRASH_PREFIX}{path.name}.{time.time_ns()}"
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return None  # someone else removed it
+        except OSError as e:
+            return e.strerror or str(e)  # nothing was touched
+        path = aside
+    errors: list[str] = []
+
+    def record(_func: object, failed: str, exc: object) -> None:
+        e = exc[1] if isinstance(exc, tuple) else exc  # onerror passes exc_info, onexc the exception
+        errors.append(f"{Path(failed).name}: {getattr(e, 'strerror', None) or e}")
+
+    shutil.rmtree(path, **({"onexc": record} if sys.version_info >= (3, 12) else {"onerror": record}))
+    if not path.exists():
+        return None
+    first = errors[0] if errors else "it is still there"
+    where = f"moved aside to {path.name}, " if path != r.path else ""
+    return f"{where}{len(errors) or 1} entr{'y' if len(errors) <= 1 else 'ies'} could not be deleted ({first})"
+
+
+def apply(p: Plan) -> Applied:
+    """Delete what the plan says (invalid folders first, oldest valid last) and report what really happened."""
+    removed: list[Removal] = []
+    failed: list[tuple[Removal, str]] = []
     for r in sorted(p.remove, key=lambda r: r.why.startswith("older than")):
-        shutil.rmtree(r.path, ignore_errors=True)
-        if not r.path.exists():
-            freed += r.size_bytes
-    return freed
+        why = _remove(r)
+        if why is None:
+            removed.append(r)
+        else:
+            failed.append((r, why))
+    return Applied(removed, failed)

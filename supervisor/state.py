@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor import layout
 from supervisor.fsutil import atomic_write_json, read_json
 
 SCHEMA_VERSION = 1
@@ -87,7 +88,7 @@ class RunRecord:
     """Everything `status` shows about one node's supervisor; serialised to state.json."""
 
     name: str
-    run_dir: str
+    run_dir: str  # "." : the paths below are relative to the run dir (layout.recorded) unless outside it
     checkpoint_dir: str
     node: str | None = None
     state: RunState = RunState.PENDING
@@ -150,6 +151,24 @@ def read(path: Path) -> RunRecord:
         version = d.get("schema_version") if isinstance(d, dict) else None
         raise StateFileError(f"{path}: schema_version {version!r}, this resilient reads {SCHEMA_VERSION}")
     try:
-        return RunRecord.from_dict(d)
+        rec = RunRecord.from_dict(d)
     except (TypeError, ValueError) as e:
         raise StateFileError(f"{path}: malformed ({e})") from None
+    _relative_paths(rec)
+    return rec
+
+
+def _relative_paths(rec: RunRecord) -> None:
+    """Older supervisors recorded absolute paths: those inside the run dir they were written in become
+    relative to it, so a copied or moved run dir never points back at the original."""
+    written_in = Path(rec.run_dir)
+    if not written_in.is_absolute():
+        return
+
+    def rel(p: str | None) -> str | None:
+        return None if p is None else layout.recorded(layout.resolved(p, written_in), written_in)
+
+    rec.checkpoint_dir = rel(rec.checkpoint_dir) or rec.checkpoint_dir
+    for h in rec.history:
+        h.log_dir = rel(h.log_dir)
+    rec.run_dir = "."

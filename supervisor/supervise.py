@@ -31,7 +31,7 @@ from supervisor.errors import ExitCode
 from supervisor.fsutil import atomic_write_json
 from supervisor.goodput import Accounting
 from supervisor.interval import IntervalTuner
-from supervisor.layout import RunLayout
+from supervisor.layout import RunLayout, recorded
 from supervisor.policy import LoadFailure, RestartPolicy
 from supervisor.protocol import CommitRecord, Control, Handover, SaveRecord, StepRecord, write_control
 from supervisor.rdzv import Generations, run_id
@@ -90,7 +90,8 @@ class Supervisor:
 
     def run(self) -> int:
         self.layout.node_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.layout.job_file, {"schema_version": 1, "job": self.cfg.to_dict()}, durable=False)
+        job = self.cfg.to_dict(relative_to=self.cfg.run_dir)
+        atomic_write_json(self.layout.job_file, {"schema_version": 1, "job": job}, durable=False)
         self.accounting.start_session(time.time())
         try:
             return self._loop()
@@ -176,7 +177,8 @@ class Supervisor:
         self.console.event(f"attempt {spec.attempt}: launching {self.cfg.nnodes}×{self.cfg.nproc_per_node} ranks, "
                            f"{start}; logs in {spec.logs_dir}")
         rec = AttemptRecord(attempt=spec.attempt, started_at=time.time(), resumed_from_step=choice.step,
-                            log_dir=str(spec.logs_dir), skipped=[f"{n}: {w}" for n, w in choice.skipped] or None)
+                            log_dir=recorded(spec.logs_dir, self.cfg.run_dir),
+                            skipped=[f"{n}: {w}" for n, w in choice.skipped] or None)
         self.accounting.launch(spec.attempt, rec.started_at, choice.step)
         if len(self.record.history) and self.accounting.attempts[:-1]:
             self.record.history[-1].lost_steps = self.accounting.attempts[-2].lost_steps
@@ -245,8 +247,10 @@ class Supervisor:
             plan = retention.plan(self.cfg.checkpoint.dir, store.scan(self.cfg.checkpoint.dir),
                                   self.cfg.checkpoint.keep, owner_alive=True)
             if plan.remove:
-                retention.apply(plan)
-                removed = "; removed " + ", ".join(p.path.name for p in plan.remove)
+                done = retention.apply(plan)  # what was really removed: a folder may resist (a read-only mount)
+                if done.removed:
+                    removed = "; removed " + ", ".join(r.path.name for r in done.removed)
+                removed += "".join(f"; could not remove {r.path.name}: {why}" for r, why in done.failed)
         blocked = self._blocking.pop(commit.step, None)
         how = f"training blocked {blocked:.3f}s, " if blocked is not None else ""
         took = f" in {commit.persist_s:.2f}s" if mine else " (committed by rank 0 on another node)"
@@ -364,7 +368,8 @@ class Supervisor:
             with contextlib.suppress(state.StateFileError):
                 prev = state.read(self.layout.state_file)
         self._prev_updated_at = prev.updated_at if prev else None
-        rec = RunRecord(name=self.cfg.name, run_dir=str(self.cfg.run_dir), checkpoint_dir=str(self.cfg.checkpoint.dir),
+        rec = RunRecord(name=self.cfg.name, run_dir=".",  # paths relative to the run dir: layout.recorded
+                        checkpoint_dir=recorded(self.cfg.checkpoint.dir, self.cfg.run_dir),
                         node=self.layout.node, max_restarts=self.cfg.restart.max_restarts)
         if prev is not None:  # a rerun keeps the history, so status tells the whole story
             rec.history, rec.step, rec.last_checkpoint_step = prev.history, prev.step, prev.last_checkpoint_step

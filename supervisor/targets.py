@@ -1,4 +1,8 @@
-"""TARGET resolution for the light commands: a job file, a run dir, a checkpoint root, or one checkpoint."""
+"""TARGET resolution for the light commands: a job file, a run dir, a checkpoint root, or one checkpoint.
+
+A run dir is resolved where it is found: the checkpoint root it records is read relative to it (a copy
+acts on itself), and only a root recorded outside it is used as recorded, and named by every command.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ from pathlib import Path
 
 from supervisor import layout, store
 from supervisor.errors import UsageError
-from supervisor.fsutil import read_json
 
 
 @dataclass(frozen=True)
@@ -18,24 +21,52 @@ class Target:
     checkpoint_root: Path
     step: int | None = None  # set when TARGET was one checkpoint folder
 
+    @property
+    def root_outside(self) -> bool:
+        """The checkpoint root lies outside the run dir (an absolute `checkpoint.dir`): shared by copies."""
+        return self.run_dir is not None and not layout.inside(self.checkpoint_root, self.run_dir)
 
-def checkpoint_root_of_run(run_dir: Path) -> Path:
-    """The checkpoint root recorded in the run dir's job.json, else the default <run_dir>/checkpoints."""
-    try:
-        return Path(read_json(run_dir / layout.JOB_FILE)["job"]["checkpoint"]["dir"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return run_dir / "checkpoints"
+    def root_note(self) -> str | None:
+        """The sentence that names a checkpoint root outside the run dir, or None."""
+        if not self.root_outside:
+            return None
+        return f"checkpoint root {self.checkpoint_root} (outside the run dir {self.run_dir}, as its job records it)"
+
+    def existing_root(self) -> Path | None:
+        """The checkpoint root if it exists; None if the run has written no checkpoint yet. A root recorded
+        outside the run dir that is gone is a usage error: a copy may have outlived it."""
+        root = self.checkpoint_root
+        if root.is_dir():
+            return root
+        if self.root_outside:
+            raise UsageError(f"{self.run_dir} records its checkpoint root as {root}, which does not exist; "
+                             "restore or mount that folder, or pass the checkpoint root you mean as TARGET.")
+        return None
+
+
+def nothing_here(path: Path | str) -> UsageError:
+    """The one sentence every light command gives for a folder that holds neither a run nor checkpoints."""
+    return UsageError(f"{path}: no run and no checkpoints here (no job.json, state.json or step_* folders); "
+                      "pass a run dir, a job file or a checkpoint root.")
 
 
 def _run_dir_of_root(root: Path) -> Path | None:
     parent = root.parent
-    if layout.looks_like_run_dir(parent) and checkpoint_root_of_run(parent) == root:
+    if layout.looks_like_run_dir(parent) and layout.recorded_checkpoint_root(parent) == root:
         return parent
     return None
 
 
+def _holds_checkpoints(path: Path) -> bool:
+    try:
+        return bool(store.checkpoint_dirs(path) or store.trash_dirs(path))
+    except OSError:
+        return False
+
+
 def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
-    """Work out what TARGET names. Raises UsageError (exit 2) for a path that does not exist."""
+    """Work out what TARGET names. Raises UsageError (exit 2) for a path that does not exist, and for a
+    folder with no run and no checkpoints (the same sentence from every command)."""
     given = target or "."
     path = Path(os.path.abspath(os.path.expanduser(given)))
     if not path.exists():
@@ -44,6 +75,9 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
         from supervisor.config import load_job  # only job-file targets pay for YAML validation
 
         job = load_job(path)
+        if not layout.looks_like_run_dir(job.run_dir) and not _holds_checkpoints(job.checkpoint.dir):
+            raise UsageError(f"{given}: no run of this job yet (nothing in {job.run_dir}); start it with "
+                             f"`resilient run {given}`.")
         return Target(given, job.run_dir, job.checkpoint.dir)
     name = path.name
     if store.STEP_RE.match(name) or store.PARTIAL_RE.match(name):
@@ -52,5 +86,17 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
         step = int(name[5:14])
         return Target(given, _run_dir_of_root(path.parent), path.parent, step)
     if layout.looks_like_run_dir(path):
-        return Target(given, path, checkpoint_root_of_run(path))
-    return Target(given, _run_dir_of_root(path), path)
+        return Target(given, path, layout.recorded_checkpoint_root(path))
+    run_dir = _run_dir_of_root(path)
+    if run_dir is None and not _holds_checkpoints(path):
+        raise nothing_here(given)
+    return Target(given, run_dir, path)
+
+
+def state_files(t: Target) -> list[Path]:
+    """The run's state files (every node's); the "no run here" usage error when there is none."""
+    files = layout.state_files(t.run_dir) if t.run_dir is not None else []
+    if not files:
+        raise UsageError(f"{t.run_dir or t.checkpoint_root}: no run here (no state file); start one with "
+                         "`resilient run JOB.yaml`.")
+    return files

@@ -123,11 +123,13 @@ def plot(record: RunRecord, node_dir: Path, out: Path) -> Path:
 
 
 def summary_line(summary: dict[str, Any]) -> str:
+    """The goodput line of `status`; each figure carries the name of its `status --json` field ("tail" is
+    `tail_s`: last step → end of each attempt, the final checkpoint and exit as much as a failure's handling)."""
     if not summary:
         return "-"
     gp = summary.get("goodput")
     head = f"{gp:.1%}" if gp is not None else "-"
     return (f"{head} of {summary['wall_s']:.1f}s wall: useful {summary['useful_s']:.1f}s, startup "
             f"{summary['startup_s']:.1f}s, checkpoint blocking {summary['checkpoint_blocking_s']:.2f}s, lost "
-            f"{summary['lost_steps']} steps ({summary['lost_s']:.1f}s), failure handling {summary['tail_s']:.1f}s, "
+            f"{summary['lost_steps']} steps ({summary['lost_s']:.1f}s), tail {summary['tail_s']:.1f}s, "
             f"down {summary['down_s']:.1f}s")

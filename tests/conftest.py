@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from typer.testing import CliRunner
 from supervisor import store
 from supervisor.cli import app
 from tests.ckpt_helpers import flip_byte, truncate, write_checkpoint
+from tests.proc import readonly
 
 
 @pytest.fixture
@@ -43,6 +45,35 @@ def no_leftover_processes():
     for p in alive:
         p.kill()
     assert not alive, f"processes left behind: {[(p.pid, p.name()) for p in alive]}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def children_tmpdir(tmp_path_factory):
+    """The processes tests start keep their temporary files in one folder, removed at the end: a torchrun
+    without --log-dir makes a /tmp/torchelastic_* folder per launch, which the suite used to leave behind."""
+    folder = tmp_path_factory.mktemp("children-tmp")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)  # child_env copies os.environ
+    yield folder
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def readonly_mounts(tmp_path_factory) -> None:
+    """Skip where read-only bind mounts cannot be made (not root, no unshare): tests.proc.readonly needs them."""
+    probe = tmp_path_factory.mktemp("ro-probe")
+    try:
+        made = subprocess.run(readonly(probe, ["touch", probe / "x"]), capture_output=True, timeout=30)
+    except OSError as e:
+        pytest.skip(f"no read-only mounts here: {e}")
+    if made.returncode == 0 or (probe / "x").exists():
+        pytest.skip(f"read-only bind mounts do not work here: {made.stderr.decode(errors='replace')[-200:]}")
+    if b"Read-only file system" not in made.stderr:
+        pytest.skip(f"read-only bind mounts do not work here: {made.stderr.decode(errors='replace')[-200:]}")
 
 
 @pytest.fixture

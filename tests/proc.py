@@ -145,3 +145,11 @@ def heartbeat(folder: Path, rank: int) -> dict[str, Any] | None:
 def step_of(folder: Path, rank: int) -> int:
     hb = heartbeat(folder, rank)
     return hb["step"] if hb else -1
+
+
+def readonly(path: Path, argv: list[str]) -> list[str]:
+    """`argv` run with `path` bind-mounted read-only onto itself, in a mount namespace of its own. Root ignores
+    chmod, a read-only mount stops it too; the mount lives and dies with the command (nothing to unmount,
+    even when a test fails) and no other process sees it."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(path), *map(str, argv)]

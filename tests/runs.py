@@ -1,5 +1,5 @@
-"""`resilient run` and `resilient status` as the tests drive them: the tiny job with its knobs, and what the
-state file says about the ranks."""
+"""`resilient run` and `resilient status` as the tests drive them: the tiny job with its knobs, what the state
+file says about the ranks, and a fake torchrun for fast tests of the real supervisor."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from pathlib import Path
 
 import psutil
 
+from supervisor.protocol import Heartbeat, write_heartbeat
+from tests.ckpt_helpers import write_checkpoint
 from tests.proc import REPO, child_env
 
 JOB = REPO / "jobs" / "tiny-cpu.yaml"
@@ -76,3 +78,54 @@ def torchrun_of(run_dir: Path) -> psutil.Process | None:
                 return None
             return parent
     return None
+
+
+class FakeHandle:
+    """A launched attempt that has already ended with `rc` (the supervisor's AttemptHandle)."""
+
+    def __init__(self, log_path: Path, rc: int = 0):
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("")
+        self.rc = rc
+
+    def wait(self, timeout):
+        return self.rc
+
+    def track(self, extra_pids=()):
+        list(extra_pids)
+
+    def signal_group(self, sig):
+        pass
+
+    def signal_ranks(self, sig):
+        pass
+
+    def stop(self, grace_s):
+        return []
+
+    def close(self):
+        pass
+
+
+def finished_attempt(steps: tuple[int, ...] = (20, 40, 60), world: int = 2, first_rank: int = 0):
+    """A fake torchrun launcher for `supervisor.commands.run.make_launcher`: each attempt leaves what a finished
+    2-rank attempt leaves (checkpoints written through the store, torchrun's per-rank log folders with a line
+    on each stream, heartbeats) and ends with 0. `first_rank`: the global rank of local rank 0 (a second node).
+    No process is started."""
+
+    def launch(cfg, spec, handover):
+        for step in steps:
+            write_checkpoint(cfg.checkpoint.dir, step)
+        for local in range(world):
+            rank = first_rank + local
+            folder = spec.logs_dir / "ranks" / "fake-run_x1" / "attempt_0" / str(local)
+            folder.mkdir(parents=True)
+            (folder / "stdout.log").write_text(f"attempt {spec.attempt} hello from rank {rank}\n")
+            (folder / "stderr.log").write_text(f"attempt {spec.attempt} warning from rank {rank}\n")
+            write_heartbeat(spec.heartbeat_dir, Heartbeat(rank=rank, pid=2**22 + rank, local_rank=local,
+                                                          world_size=first_rank + world, phase="train", step=steps[-1],
+                                                          log_dir=str(folder)))
+        return FakeHandle(spec.logs_dir / "torchrun.log", rc=0)
+
+    return launch

@@ -80,7 +80,10 @@ BAD = {
     "invalid yaml": ("name: x\nentrypoint:\n  module: m\n   args: []\n", None, 4, ["not valid YAML"]),
     "empty file": ("", None, 1, ["empty"]),
     "not a mapping": ("- a\n- b\n", None, 1, ["mapping"]),
-    "missing name": ("entrypoint: {module: m}\n", None, 1, ["'name'", "missing"]),
+    # A missing key has no line: the file is named, not its first line (which used to be `name:`).
+    "missing name": ("entrypoint: {module: m}\n", None, None, ["job.yaml: required key 'name' is missing"]),
+    "missing entrypoint": ("name: x\nnproc_per_node: 2\n", None, None,
+                           ["job.yaml: required key 'entrypoint' is missing", "entrypoint: {module: train_entry}"]),
     "unknown top key": ("name: x\nentrypoint: {module: m}\nnproc: 2\n", None, 3, ['"nproc"', "nproc_per_node"]),
     "unknown entrypoint key": ("name: x\nentrypoint:\n  module: m\n  argv: []\n", None, 4, ['"entrypoint.argv"']),
     "unknown checkpoint key": ("name: x\nentrypoint: {module: m}\ncheckpoint:\n  intervall_steps: 5\n", None, 4,

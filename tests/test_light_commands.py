@@ -47,7 +47,7 @@ def test_inspect_exit_codes_follow_the_contract(zoo, cli, tmp_path):
     assert r.exit_code == 2 and "no checkpoint for step 999" in r.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert cli("inspect-checkpoint", empty).exit_code == 1
+    assert cli("inspect-checkpoint", empty).exit_code == 2  # no run, no checkpoints: like status and gc
     assert cli("inspect-checkpoint", tmp_path / "missing").exit_code == 2
 
 
@@ -148,7 +148,10 @@ def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
 
 def test_status_without_a_run_is_a_clean_message(tmp_path, cli):
     r = cli("status", tmp_path)
-    assert r.exit_code == 2 and "no run here" in r.stderr and "Traceback" not in r.output
+    assert r.exit_code == 2 and "no run and no checkpoints here" in r.stderr and "Traceback" not in r.output
+    write_checkpoint(tmp_path / "root", 1)
+    r = cli("status", tmp_path / "root")
+    assert r.exit_code == 2 and "no run here (no state file)" in r.stderr
     (tmp_path / "state.json").write_text('{"schema_version": 99}')
     r = cli("status", tmp_path)
     assert r.exit_code == 2 and "schema_version 99" in r.stderr
@@ -169,6 +172,9 @@ def test_importing_the_cli_does_not_import_torch():
 
 def test_light_commands_never_import_torch(zoo, tmp_path):
     _state_file(tmp_path, state=state.RunState.SUCCEEDED)
+    rank0 = tmp_path / "logs/attempt_0/ranks/r_x/attempt_0/0"
+    rank0.mkdir(parents=True)
+    (rank0 / "stdout.log").write_text("step 1\n")
     code = (
         "import sys\nfrom supervisor.cli import app\n"
         "codes = []\n"
@@ -179,9 +185,10 @@ def test_light_commands_never_import_torch(zoo, tmp_path):
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     runs = [f"status|{tmp_path}|--json", f"inspect-checkpoint|{zoo}|--verify|--json",
-            f"gc|{zoo}|--keep|2|--dry-run|--json"]
+            f"gc|{zoo}|--keep|2|--dry-run|--json", f"logs|{tmp_path}|--follow"]
     out = subprocess.run([sys.executable, "-c", code, *runs], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    assert "[rank 0 out] step 1" in out.stdout, "logs ran"
 
 
 def test_flip_byte_helper_changes_exactly_one_byte(tmp_path):

@@ -186,7 +186,8 @@ def test_a_node_dies_and_the_other_finishes_alone(tmp_path, victim):
     else:  # the survivor's torchrun loses the store, or its rank the peer first: a race, both node_lost
         assert "lost the rendezvous" in failure["detail"] or "lost a peer" in failure["detail"], failure
     assert resumed["resumed_from_step"] is not None and resumed["resumed_from_step"] >= before.step
-    assert any("resharded from 2 ranks" in p.read_text() for p in Path(resumed["log_dir"]).rglob("stderr.log"))
+    logs = tmp_path / "run" / resumed["log_dir"]  # state.json records it relative to the run dir
+    assert any("resharded from 2 ranks" in p.read_text() for p in logs.rglob("stderr.log"))
     assert f"finished at step {STEPS}" in console
     assert consumed_ids(tmp_path / "samples") == collections.Counter(range(STEPS * BATCH))
 

@@ -16,6 +16,7 @@ from supervisor.policy import LoadFailure, RestartPolicy
 from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat
 from supervisor.state import RunState
 from supervisor.watch import NO_HEARTBEAT, NO_PROGRESS, SILENT, STARTUP, RankWatch
+from tests.runs import FakeHandle
 
 SUMMARY = """\
 [rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:44741: Connection reset by peer.
@@ -249,32 +250,6 @@ def test_stragglers_compare_own_rates():
 
 
 # ---- the CLI builds the exact torchrun argv -------------------------------------------------------
-
-
-class FakeHandle:
-    def __init__(self, log_path: Path, rc: int = 0):
-        self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text("")
-        self.rc = rc
-
-    def wait(self, timeout):
-        return self.rc
-
-    def track(self, extra_pids=()):
-        list(extra_pids)
-
-    def signal_group(self, sig):
-        pass
-
-    def signal_ranks(self, sig):
-        pass
-
-    def stop(self, grace_s):
-        return []
-
-    def close(self):
-        pass
 
 
 class Recorded:

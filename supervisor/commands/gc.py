@@ -1,42 +1,79 @@
-"""`resilient gc --keep N`: keep the N newest valid checkpoints, delete the rest and abandoned saves."""
+"""`resilient gc --keep N`: keep the N newest valid checkpoints, delete the rest and abandoned saves.
+
+It says which checkpoint root it acts on before deleting anything, reports only folders that are really
+gone, lists separately what it could not remove and why, and exits 1 if anything resisted. A root it cannot
+write is a usage error (exit 2) before anything is touched.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from supervisor import layout, lock, render, retention, store, targets
 from supervisor.errors import ExitCode, UsageError
+from supervisor.fsutil import write_problem
 
 
 @dataclass
 class GcResult:
+    root: Path
     plan: retention.Plan
     dry_run: bool
-    freed_bytes: int
+    applied: retention.Applied | None  # None for a dry run
+
+    @property
+    def removed(self) -> list[retention.Removal]:
+        return self.plan.remove if self.applied is None else self.applied.removed
+
+    @property
+    def failed(self) -> list[tuple[retention.Removal, str]]:
+        return [] if self.applied is None else self.applied.failed
+
+    @property
+    def freed_bytes(self) -> int:  # a dry run: what it would free
+        return sum(r.size_bytes for r in self.removed)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.FAILED if self.failed else ExitCode.OK
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
+            "root": str(self.root),
             "kept": [c.step for c in self.plan.kept],
-            "removed": [r.to_dict() for r in self.plan.remove],
+            "removed": [r.to_dict() for r in self.removed],
             "spared": [{"step": c.step, "path": str(c.path), "why": why} for c, why in self.plan.spared],
             "freed_bytes": self.freed_bytes,
             "dry_run": self.dry_run,
         }
+        if self.failed:
+            doc["failed"] = [{**r.to_dict(), "why": why} for r, why in self.failed]
+        return doc
 
     def render(self) -> None:
         verb = "would remove" if self.dry_run else "removed"
-        for r in self.plan.remove:
-            what = f"step {r.step}" if r.step is not None else r.path.name
-            render.out.print(f"{verb} {what} ({render.human_bytes(r.size_bytes)}): {r.why}")
+        for r in self.removed:
+            render.out.print(f"{verb} {_name(r)} ({render.human_bytes(r.size_bytes)}): {r.why}", markup=False)
+        for r, why in self.failed:
+            render.out.print(f"could not remove {_name(r)} ({render.human_bytes(r.size_bytes)}): {why}",
+                             markup=False)
         for c, why in self.plan.spared:
-            render.out.print(f"kept {c.path.name}: {why}")
+            render.out.print(f"kept {c.path.name}: {why}", markup=False)
         kept = ", ".join(str(c.step) for c in self.plan.kept) or "none"
-        render.out.print(f"kept valid steps: {kept}; {'would free' if self.dry_run else 'freed'} "
-                         f"{render.human_bytes(self.freed_bytes)}")
+        line = (f"kept valid steps: {kept}; {'would free' if self.dry_run else 'freed'} "
+                f"{render.human_bytes(self.freed_bytes)}")
+        if self.failed:
+            line += f"; {len(self.failed)} folder(s) could not be removed"
+        render.out.print(line, markup=False)
 
 
-def owner_alive(run_dir) -> bool:
+def _name(r: retention.Removal) -> str:
+    return f"step {r.step}" if r.step is not None else r.path.name
+
+
+def owner_alive(run_dir: Path | None) -> bool:
     return run_dir is not None and any(lock.holder(d) for d in [run_dir, *layout.node_dirs(run_dir)])
 
 
@@ -44,10 +81,23 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool) -> int:
     if keep < 1:
         raise UsageError(f"--keep {keep}: keep at least 1 (the newest valid checkpoint is never deleted).")
     t = targets.resolve(target)
-    if not t.checkpoint_root.is_dir():
-        raise UsageError(f"{t.checkpoint_root}: no checkpoint root here (the folder does not exist).")
-    infos = store.scan(t.checkpoint_root, quarantined=True)
+    root = t.existing_root()
+    # The folder comes first, before anything is deleted: a copied run dir may share an outside root.
+    note = t.root_note() or f"checkpoint root {t.checkpoint_root}"
+    if as_json:
+        if t.root_outside:
+            render.err.print(f"resilient: {note}", markup=False, soft_wrap=True)
+    else:
+        render.out.print(note, markup=False, soft_wrap=True)
+    infos = store.scan(root, quarantined=True) if root is not None else []
     plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=owner_alive(t.run_dir))
-    freed = plan.freed_bytes if dry_run else retention.apply(plan)  # dry run: what it would free
-    render.emit(GcResult(plan, dry_run, freed), as_json)
-    return ExitCode.OK
+    applied = None
+    if not dry_run:
+        problem = write_problem(t.checkpoint_root) if plan.remove else None
+        if problem is not None:
+            raise UsageError(f"{t.checkpoint_root}: cannot delete there ({problem}); nothing was removed. "
+                             "Make it writable (remount it read-write) and run gc again.")
+        applied = retention.apply(plan)
+    result = GcResult(t.checkpoint_root, plan, dry_run, applied)
+    render.emit(result, as_json)
+    return result.exit_code

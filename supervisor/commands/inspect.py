@@ -17,13 +17,20 @@ from supervisor.store import CheckpointInfo
 @dataclass
 class InspectResult:
     root: Path
-    checkpoints: list[CheckpointInfo]
+    checkpoints: list[CheckpointInfo]  # every folder under the root, oldest first
     selected: CheckpointInfo | None
     verified: bool
+    step: int | None = None  # --step: only that step's folders are listed
+    note: str | None = None  # names a checkpoint root outside the run dir
 
     @property
     def latest_valid(self) -> CheckpointInfo | None:
+        """The newest valid checkpoint under the root, whatever --step selected."""
         return next((c for c in reversed(self.checkpoints) if c.valid), None)
+
+    @property
+    def listed(self) -> list[CheckpointInfo]:
+        return self.checkpoints if self.step is None else [c for c in self.checkpoints if c.step == self.step]
 
     @property
     def exit_code(self) -> ExitCode:
@@ -37,27 +44,35 @@ class InspectResult:
             "latest_valid_step": latest.step if latest else None,
             "verified": self.verified,
             "selected_step": self.selected.step if self.selected else None,
-            "checkpoints": [c.to_dict() for c in self.checkpoints],
+            "checkpoints": [c.to_dict() for c in self.listed],
         }
 
     def render(self) -> None:
+        if self.note:
+            render.out.print(self.note, markup=False, soft_wrap=True)
+        if not self.checkpoints:
+            render.out.print(f"{self.root}: no checkpoints yet.", markup=False)
+            return
         latest = self.latest_valid
         head = f"latest valid: step {latest.step}" if latest else "[red]no valid checkpoint[/]"
+        if self.selected is not None:
+            head = f"step {self.selected.step}: {render.styled(self.selected.status.value)}; {head}"
         how = "checksums verified" if self.verified else "sizes checked; --verify reads every byte"
-        table = Table(title=f"{self.root} — {head} ({how})", title_justify="left", box=None, pad_edge=False)
+        if self.verified and self.selected is not None:
+            how = f"step {self.selected.step}'s checksums verified, the others' sizes checked"
+        # The head is its own line: a table's title wraps at the table's width, however wide the output.
+        render.out.print(f"{self.root} — {head} ({how})", soft_wrap=True)
+        table = Table(box=None, pad_edge=False)
         for col, justify in (("STEP", "right"), ("STATUS", "left"), ("SIZE", "right"), ("FILES", "right"),
                              ("WORLD", "right"), ("CREATED", "left"), ("REASON", "left")):
             table.add_column(col, justify=justify)
-        for c in self.checkpoints:
+        for c in self.listed:
             name = f"{c.step}" + (" (partial)" if c.partial else " (quarantined)" if c.quarantined else "")
             mark = " ◀" if self.selected is not None and c.path == self.selected.path else ""
             table.add_row(name, render.styled(c.status.value), render.human_bytes(c.size_bytes),
                           str(c.files), str(c.world_size or "-"), render.local_time(c.created_at),
                           c.reason + mark)
-        if not self.checkpoints:
-            render.out.print(f"{self.root}: no checkpoints here.")
-        else:
-            render.out.print(table)
+        render.out.print(table)
 
 
 def _verify_progress(paths: list[Path]) -> Progress | None:
@@ -71,28 +86,28 @@ def collect(target: str | None, step: int | None, verify: bool) -> InspectResult
     t = targets.resolve(target, allow_checkpoint=True)
     if step is None:
         step = t.step
-    root = t.checkpoint_root
-    if not root.is_dir():
-        raise UsageError(f"{root}: no checkpoint root here (the folder does not exist).")
-    dirs = store.checkpoint_dirs(root, quarantined=True)
-    if step is not None:
-        dirs = [d for d in dirs if int(d.name[5:14]) == step]
-        if not dirs:
-            raise UsageError(f"{root}: no checkpoint for step {step}; `resilient inspect-checkpoint "
-                             f"{root}` lists them.")
-    progress = _verify_progress(dirs) if verify else None
+    root = t.existing_root()
+    dirs = store.checkpoint_dirs(root, quarantined=True) if root is not None else []
+    chosen = [d for d in dirs if int(d.name[5:14]) == step] if step is not None else dirs
+    if step is not None and not chosen:
+        raise UsageError(f"{t.checkpoint_root}: no checkpoint for step {step}; `resilient inspect-checkpoint "
+                         f"{t.checkpoint_root}` lists them.")
+    deep = set(chosen) if verify else set()  # with --step, only that step is read byte by byte
+    progress = _verify_progress(chosen) if verify else None
     if progress is None:
-        infos = [store.inspect(d, deep=verify) for d in dirs]
+        infos = [store.inspect(d, deep=d in deep) for d in dirs]
     else:
-        todo = sum(store.inspect(d).size_bytes for d in dirs)
+        todo = sum(store.inspect(d).size_bytes for d in chosen)
         with progress:
             task = progress.add_task("verifying", total=todo)
-            infos = [store.inspect(d, deep=True, progress=lambda n: progress.advance(task, n)) for d in dirs]
+            infos = [store.inspect(d, deep=d in deep, progress=lambda n: progress.advance(task, n))
+                     for d in dirs]
     selected = None
     if step is not None:
-        committed = [i for i in infos if not i.partial and not i.quarantined]
-        selected = (committed or infos)[-1]
-    return InspectResult(root, infos, selected, verify)
+        mine = [i for i in infos if i.step == step]
+        committed = [i for i in mine if not i.partial and not i.quarantined]
+        selected = (committed or mine)[-1]
+    return InspectResult(t.checkpoint_root, infos, selected, verify, step, t.root_note())
 
 
 def main(target: str | None, step: int | None, verify: bool, as_json: bool) -> int:

@@ -16,7 +16,8 @@ from supervisor import state
 from supervisor.config import JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError
-from supervisor.layout import RunLayout
+from supervisor.fsutil import write_problem
+from supervisor.layout import RunLayout, inside
 from supervisor.lock import RootClaim, RunLock
 
 
@@ -33,9 +34,20 @@ def check_entrypoint(cfg: JobConfig) -> None:
     finally:
         sys.path.pop(0)
     if not found:
-        where = f"{cfg.source}: " if cfg.source else ""
-        raise ConfigError(f"{where}entrypoint.module {module!r} cannot be imported by {sys.executable}; "
-                          "install it or fix the name.")
+        raise ConfigError(f"{cfg.located('entrypoint.module')}: entrypoint.module {module!r} cannot be imported by "
+                          f"{sys.executable}; install it or fix the name.")
+
+
+def check_writable(cfg: JobConfig, layout: RunLayout) -> None:
+    """A run dir or checkpoint root that cannot be written is a configuration error: one sentence, exit 2,
+    before anything is created or launched (a read-only mount stops root too; chmod does not)."""
+    for folder, what, fix in ((layout.run_dir, "the run dir", "pick another --run-dir"),
+                              (layout.node_dir, "the run dir", "pick another --run-dir"),
+                              (cfg.checkpoint.dir, "the checkpoint root", "set checkpoint.dir to a writable folder")):
+        problem = write_problem(folder)
+        if problem is not None:
+            raise ConfigError(f"{folder}: {what} cannot be written ({problem}); nothing was launched. Make it "
+                              f"writable (remount it read-write), or {fix}.")
 
 
 def node_name(cfg: JobConfig, node: str | None) -> str | None:
@@ -86,8 +98,11 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     cfg = load_job(job, overrides)
     check_entrypoint(cfg)
     layout = RunLayout(cfg.run_dir, node_name(cfg, node))
+    check_writable(cfg, layout)
     with RunLock(layout.node_dir), RootClaim(cfg.checkpoint.dir, cfg.run_dir):
         console = EventConsole(cfg.name)
+        if not inside(cfg.checkpoint.dir, cfg.run_dir):
+            console.event(f"checkpoint root {cfg.checkpoint.dir} (outside the run dir, as checkpoint.dir says)")
         reap_orphans(layout, cfg, console)
         sup = Supervisor(cfg, layout, console=console, launcher=make_launcher())
         # SIGUSR1 is Slurm's usual "about to be preempted" warning: stop gracefully too (exit 143).

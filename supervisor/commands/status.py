@@ -12,8 +12,10 @@ from rich.table import Table
 from rich.text import Text
 
 from supervisor import layout, lock, render, state, targets, timeline
-from supervisor.errors import ExitCode, UsageError
+from supervisor.errors import ExitCode, ResilientError, UsageError
 from supervisor.state import RunRecord, RunState
+
+ENDED_GRACE_S = 10.0
 
 
 @dataclass
@@ -46,6 +48,17 @@ class StatusResult:
     run_dir: Path
     nodes: list[NodeStatus]
     now: float
+    outside_root: Path | None = None  # the checkpoint root, when it lies outside the run dir
+
+    def ranks_ready(self) -> bool:
+        """Every rank of the current attempt is listed, alive and training (what --wait-ranks waits for)."""
+        if self.state is not RunState.RUNNING:
+            return False
+        ranks = [r for n in self.nodes for r in n.ranks(self.now)]
+        if not ranks or not all(r.get("alive") and r.get("phase") == "train" for r in ranks):
+            return False
+        world = max((r.get("world_size") or 0 for r in ranks), default=0)
+        return {r.get("rank") for r in ranks} >= set(range(world))
 
     @property
     def primary(self) -> NodeStatus:
@@ -71,13 +84,25 @@ class StatusResult:
             supervisor_alive=p.supervisor_alive,
             ranks=[r for n in self.nodes for r in n.ranks(self.now)],
             run_dir=str(self.run_dir),
+            # Recorded relative to the run dir: shown resolved against where the run dir is now.
+            checkpoint_dir=str(layout.resolved(rec.checkpoint_dir, self.run_dir)),
+            history=self._history(rec),
         )
         if len(self.nodes) > 1 or rec.node is not None:
             d["nodes"] = [{"node": n.record.node, "state": n.effective_state.value,
                            "supervisor_alive": n.supervisor_alive, "attempt": n.record.attempt,
                            "restarts": n.record.restarts, "step": n.record.step,
-                           "history": [h.to_dict() for h in n.record.history]} for n in self.nodes]
+                           "history": self._history(n.record)} for n in self.nodes]
         return d
+
+    def _history(self, rec: RunRecord) -> list[dict[str, Any]]:
+        out = []
+        for h in rec.history:
+            h = h.to_dict()
+            if h.get("log_dir"):
+                h["log_dir"] = str(layout.resolved(h["log_dir"], self.run_dir))
+            out.append(h)
+        return out
 
     def renderable(self) -> Group:
         p = self.primary
@@ -93,6 +118,8 @@ class StatusResult:
             f"progress  step {rec.step if rec.step is not None else '-'} · last valid checkpoint {ckpt}",
             f"goodput   {timeline.summary_line((rec.accounting or {}).get('summary') or {})}",
         ]
+        if self.outside_root is not None:
+            lines.append(f"ckpt root {self.outside_root} (outside the run dir)")
         ci = rec.checkpoint_interval
         if ci:
             lines.append(f"interval  {ci.get('steps')} steps ({ci.get('mode')}: {ci.get('why', '')})")
@@ -147,11 +174,9 @@ class StatusResult:
 
 def collect(target: str | None) -> StatusResult:
     t = targets.resolve(target)
+    files = targets.state_files(t)
     run_dir = t.run_dir
-    files = layout.state_files(run_dir) if run_dir is not None else []
-    if not files:
-        where = run_dir or t.checkpoint_root
-        raise UsageError(f"{where}: no run here (no state file); start one with `resilient run JOB.yaml`.")
+    assert run_dir is not None
     nodes = []
     for f in files:
         try:
@@ -159,12 +184,40 @@ def collect(target: str | None) -> StatusResult:
         except state.StateFileError as e:
             raise UsageError(f"{e}; was it written by a newer resilient?") from None
         nodes.append(NodeStatus(rec, f.parent, lock.holder(f.parent) is not None))
-    return StatusResult(run_dir, nodes, time.time())
+    return StatusResult(run_dir, nodes, time.time(), t.checkpoint_root if t.root_outside else None)
+
+
+def wait_for_ranks(target: str | None, timeout_s: float, poll_s: float = 0.2) -> StatusResult:
+    """Wait until every rank of the run's current attempt is listed, alive and training (the run dir may not
+    exist yet: a run just started in another shell). Raises ResilientError (exit 1) if the run ends first
+    or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    where = target or "."
+    ended_since: float | None = None
+    while True:
+        try:
+            result = collect(target)
+        except UsageError:  # not created yet, or no state file yet
+            result = None
+        if result is not None and result.ranks_ready():
+            return result
+        now = time.monotonic()
+        ended = result is not None and result.primary.effective_state.final
+        ended_since = (ended_since or now) if ended else None
+        # A finished run dir about to be resumed reads "succeeded" until its new supervisor starts: give it time.
+        if ended_since is not None and now - ended_since >= ENDED_GRACE_S:
+            assert result is not None
+            raise ResilientError(f"{where}: the run has ended ({result.state.value}) and no ranks are training; "
+                                 "start one with `resilient run JOB.yaml --run-dir DIR` (a fresh DIR starts over).")
+        if now > deadline:
+            raise ResilientError(f"{where}: no run with all ranks training after {timeout_s:g}s; "
+                                 f"`resilient status {where}` shows where it is.")
+        time.sleep(poll_s)
 
 
 def main(target: str | None, as_json: bool, watch: bool, *, plot: str | None = None,
-         interval_s: float = 1.0) -> int:
-    result = collect(target)
+         interval_s: float = 1.0, wait_ranks_s: float | None = None) -> int:
+    result = collect(target) if wait_ranks_s is None else wait_for_ranks(target, wait_ranks_s)
     if plot is not None:
         out = timeline.plot(result.primary.record, result.primary.node_dir, Path(plot))
         render.err.print(f"timeline written to {out}")

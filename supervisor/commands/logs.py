@@ -1,0 +1,159 @@
+"""`resilient logs`: what the ranks printed, from `logs/attempt_<k>/rank_<r>/` (supervisor/ranklogs.py).
+
+Each line goes to stdout prefixed with its rank and stream (`[rank 1 out] `, `[rank 1 err] `): by default the
+latest attempt, every rank, stdout then stderr. `--follow` prints lines as the ranks write them and moves on
+to each new attempt (unless `--attempt` pins one) until the run is over; headers go to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor import layout, lock, ranklogs, render, state, targets
+from supervisor.errors import ExitCode, UsageError
+
+POLL_S = 0.2
+
+
+@dataclass
+class Tail:
+    """One log file read incrementally; a line is printed only once it is complete (or at the end)."""
+
+    path: Path
+    prefix: str
+    offset: int = 0
+    pending: bytes = b""
+
+    def read(self, final: bool = False) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            data = b""
+        self.offset += len(data)
+        lines = (self.pending + data).split(b"\n")
+        self.pending = lines.pop()
+        if final and self.pending:
+            lines.append(self.pending)
+            self.pending = b""
+        return [self.prefix + line.decode(errors="replace") + "\n" for line in lines]
+
+
+@dataclass
+class NodeLogs:
+    """The attempt shown for one node dir, and the files of its ranks."""
+
+    node_dir: Path
+    attempt: int
+    tails: dict[str, Tail] = field(default_factory=dict)  # by the file's real path: a link and its target are one
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.node_dir / "logs" / f"attempt_{self.attempt}"
+
+    def discover(self, rank: int | None) -> None:
+        for r, folder in ranklogs.rank_folders(self.logs_dir).items():
+            if rank is not None and r != rank:
+                continue
+            for stream in ranklogs.STREAMS:
+                path = folder / f"{stream}.log"
+                real = os.path.realpath(path)
+                if real not in self.tails:
+                    self.tails[real] = Tail(path, f"[rank {r} {stream[3:]}] ")
+
+    def read(self, final: bool = False) -> list[str]:
+        out: list[str] = []
+        for tail in self.tails.values():
+            out += tail.read(final)
+        return out
+
+
+def _write(lines: list[str]) -> None:
+    if lines:
+        sys.stdout.write("".join(lines))
+        sys.stdout.flush()
+
+
+def _header(nl: NodeLogs) -> None:
+    render.err.print(f"==> attempt {nl.attempt}: {nl.logs_dir} <==", markup=False, soft_wrap=True)
+
+
+def _latest(node_dir: Path) -> int | None:
+    found = ranklogs.attempts(node_dir)
+    return found[-1] if found else None
+
+
+def _over(files: list[Path], attempt: int | None) -> bool:
+    """The run (or the pinned attempt) is over: its ranks will write nothing more."""
+    for f in files:
+        try:
+            rec = state.read(f)
+        except state.StateFileError:
+            return False
+        live = not rec.state.final and lock.holder(f.parent) is not None
+        if attempt is None and live:
+            return False
+        if attempt is not None and live and any(h.attempt == attempt and h.ended_at is None for h in rec.history):
+            return False
+    return True
+
+
+def main(target: str | None, rank: int | None, attempt: int | None, follow: bool, *,
+         poll_s: float = POLL_S) -> int:
+    t = targets.resolve(target)
+    files = targets.state_files(t)
+    run_dir = t.run_dir
+    assert run_dir is not None
+    nodes = []
+    for node_dir in layout.node_dirs(run_dir):
+        k = attempt if attempt is not None else _latest(node_dir)
+        if k is not None and (attempt is None or k in ranklogs.attempts(node_dir)):
+            nodes.append(NodeLogs(node_dir, k))
+    if not nodes and not follow:
+        if attempt is not None:
+            have = sorted({a for d in layout.node_dirs(run_dir) for a in ranklogs.attempts(d)})
+            raise UsageError(f"{run_dir}: no attempt {attempt} (attempts: {', '.join(map(str, have)) or 'none'}).")
+        raise UsageError(f"{run_dir}: no attempt has started yet; `resilient logs {t.given} --follow` waits for one.")
+    for nl in nodes:
+        nl.discover(rank)
+    if not follow:
+        if rank is not None and not any(nl.tails for nl in nodes):
+            seen = sorted({r for nl in nodes for r in ranklogs.rank_folders(nl.logs_dir)})
+            raise UsageError(f"{run_dir}: attempt {nodes[0].attempt} has no output for rank {rank} "
+                             f"(ranks: {', '.join(map(str, seen)) or 'none yet'}).")
+        for nl in nodes:
+            if len(nodes) > 1:
+                _header(nl)
+            _write(nl.read(final=True))
+        return ExitCode.OK
+    return _follow(run_dir, files, nodes, rank, attempt, poll_s)
+
+
+def _follow(run_dir: Path, files: list[Path], nodes: list[NodeLogs], rank: int | None, attempt: int | None,
+            poll_s: float) -> int:
+    by_dir = {nl.node_dir: nl for nl in nodes}
+    for nl in nodes:
+        _header(nl)
+    while True:
+        over = _over(files, attempt)  # decided before the last read, so nothing written before it is missed
+        for node_dir in layout.node_dirs(run_dir):
+            k = attempt if attempt is not None else _latest(node_dir)
+            nl = by_dir.get(node_dir)
+            if k is None or (nl is not None and nl.attempt == k):
+                continue
+            if nl is not None:  # a relaunch: finish the old attempt's files, then follow the new one
+                _write(nl.read(final=True))
+            by_dir[node_dir] = nl = NodeLogs(node_dir, k)
+            _header(nl)
+        for nl in by_dir.values():
+            nl.discover(rank)
+            _write(nl.read(final=over))
+        if over:
+            return ExitCode.OK
+        time.sleep(poll_s)
+        files = layout.state_files(run_dir) or files

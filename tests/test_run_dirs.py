@@ -1,0 +1,364 @@
+"""A run dir belongs to the user: copied, moved, archived or read-only, resilient acts only on what it is
+pointed at. Real folders written by the real supervisor (torchrun replaced by a fake that leaves what a
+finished attempt leaves), real read-only mounts, the CLI in-process or as a process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor import state, store
+from supervisor.lock import RunLock
+from tests.ckpt_helpers import write_checkpoint
+from tests.proc import REPO, child_env, readonly, started
+from tests.runs import RUN_TIMEOUT, finished_attempt, resilient, run_job, status
+
+JOB = "name: demo\nentrypoint:\n  module: train_entry\nnproc_per_node: 2\ncheckpoint: {keep: 3}\n"
+
+
+def steps(root: Path) -> list[int]:
+    return [int(p.name[5:14]) for p in store.checkpoint_dirs(root)] if root.is_dir() else []
+
+
+@pytest.fixture
+def finished_run(tmp_path, cli, monkeypatch):
+    """`resilient run` of a 2-rank job through the real supervisor; the fake attempt saves steps 20, 40, 60."""
+
+    def make(job_text: str = JOB, name: str = "run") -> Path:
+        job = tmp_path / f"{name}.yaml"
+        job.write_text(job_text)
+        run_dir = tmp_path / name
+        monkeypatch.setattr("supervisor.commands.run.make_launcher", finished_attempt)
+        r = cli("run", job, "--run-dir", run_dir)
+        assert r.exit_code == 0, r.output
+        return run_dir
+
+    return make
+
+
+def test_a_run_records_paths_relative_to_its_run_dir(finished_run):
+    run_dir = finished_run()
+    job = json.loads((run_dir / "job.json").read_text())["job"]
+    assert job["run_dir"] == "." and job["checkpoint"]["dir"] == "checkpoints"
+    rec = json.loads((run_dir / "state.json").read_text())
+    assert rec["run_dir"] == "." and rec["checkpoint_dir"] == "checkpoints"
+    assert rec["history"][0]["log_dir"] == "logs/attempt_1"
+    recorded = (run_dir / "job.json").read_text() + (run_dir / "state.json").read_text()
+    assert f'"{run_dir}"' not in recorded and f'"{run_dir}/' not in recorded, "an absolute path into the run dir"
+    # Each rank's folder has a stable name: a relative link to torchrun's folder for that rank.
+    link = run_dir / "logs/attempt_1/rank_1"
+    assert os.readlink(link) == "ranks/fake-run_x1/attempt_0/1"
+    assert (link / "stdout.log").read_text() == "attempt 1 hello from rank 1\n"
+
+
+def test_on_a_second_node_the_links_carry_global_ranks(tmp_path, cli, monkeypatch):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: finished_attempt(first_rank=2))
+    assert cli("run", job, "--run-dir", tmp_path / "run", "--node", "n2").exit_code == 0
+    logs = tmp_path / "run/nodes/n2/logs/attempt_1"
+    assert sorted(os.listdir(logs)) == ["rank_2", "rank_3", "ranks", "torchrun.log"]  # never by local rank here
+    assert os.readlink(logs / "rank_3") == "ranks/fake-run_x1/attempt_0/1"
+    assert cli("logs", tmp_path / "run", "--rank", "3").stdout.startswith("[rank 3 out] attempt 1 hello from rank 3")
+
+
+def test_status_json_resolves_recorded_paths_and_fills_world_size(finished_run, cli):
+    run_dir = finished_run()
+    doc = json.loads(cli("status", run_dir, "--json").stdout)
+    assert doc["run_dir"] == str(run_dir) and doc["checkpoint_dir"] == str(run_dir / "checkpoints")
+    assert doc["history"][0]["log_dir"] == str(run_dir / "logs/attempt_1")
+    assert doc["history"][0]["world_size"] == 2
+    assert "tail" in cli("status", run_dir).stdout and "failure handling" not in cli("status", run_dir).stdout
+
+
+@pytest.mark.parametrize("how", ["copied", "moved"])
+def test_a_copied_or_moved_run_dir_acts_on_itself_only(finished_run, cli, tmp_path, how):
+    original = finished_run()
+    other = tmp_path / "archive" / "mine"
+    other.parent.mkdir()
+    if how == "copied":
+        shutil.copytree(original, other, symlinks=True)  # cp -a
+    else:
+        os.rename(original, other)
+    r = cli("inspect-checkpoint", other, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["root"] == str(other / "checkpoints") and doc["latest_valid_step"] == 60
+    assert all(c["path"].startswith(str(other)) for c in doc["checkpoints"])
+    r = cli("gc", other, "--keep", "1")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[0] == f"checkpoint root {other / 'checkpoints'}"
+    assert "removed step 20" in r.stdout and "removed step 40" in r.stdout
+    assert steps(other / "checkpoints") == [60]
+    if how == "copied":
+        assert steps(original / "checkpoints") == [20, 40, 60], "gc on the copy touched the original"
+    else:
+        assert not original.exists()
+    doc = json.loads(cli("status", other, "--json").stdout)
+    assert doc["run_dir"] == str(other) and doc["history"][0]["log_dir"] == str(other / "logs/attempt_1")
+    r = cli("logs", other, "--rank", "1")
+    assert r.exit_code == 0 and r.stdout == "[rank 1 out] attempt 1 hello from rank 1\n" \
+                                            "[rank 1 err] attempt 1 warning from rank 1\n", r.output
+
+
+def legacy_run_dir(run_dir: Path) -> None:
+    """A run dir as supervisors before relative paths wrote it: absolute paths into itself."""
+    root = run_dir / "checkpoints"
+    for s in (20, 40, 60):
+        write_checkpoint(root, s)
+    (run_dir / "job.json").write_text(json.dumps(
+        {"schema_version": 1, "job": {"name": "old", "run_dir": str(run_dir), "checkpoint": {"dir": str(root)}}}))
+    rec = state.RunRecord(name="old", run_dir=str(run_dir), checkpoint_dir=str(root), state=state.RunState.SUCCEEDED)
+    rec.history.append(state.AttemptRecord(attempt=1, started_at=time.time() - 9, resumed_from_step=None,
+                                           ended_at=time.time(), reason="finished",
+                                           log_dir=str(run_dir / "logs/attempt_1")))
+    (run_dir / "logs/attempt_1/ranks/r_x/attempt_0/0").mkdir(parents=True)
+    (run_dir / "logs/attempt_1/ranks/r_x/attempt_0/0/stdout.log").write_text("old output\n")
+    (run_dir / "state.json").write_text(json.dumps(rec.to_dict()))
+
+
+def test_a_copied_legacy_run_dir_never_follows_its_absolute_paths_back(tmp_path, cli):
+    original, copy = tmp_path / "runs/mine", tmp_path / "archive/mine"
+    legacy_run_dir(original)
+    shutil.copytree(original, copy, symlinks=True)
+    assert json.loads(cli("gc", copy, "--keep", "1", "--dry-run", "--json").stdout)["root"] == str(copy / "checkpoints")
+    assert cli("gc", copy, "--keep", "1").exit_code == 0
+    assert steps(copy / "checkpoints") == [60] and steps(original / "checkpoints") == [20, 40, 60]
+    doc = json.loads(cli("status", copy, "--json").stdout)
+    assert doc["checkpoint_dir"] == str(copy / "checkpoints")
+    assert doc["history"][0]["log_dir"] == str(copy / "logs/attempt_1")
+    # Torchrun's folders without the links (older runs): found by local rank, inside the run dir.
+    assert cli("logs", copy).stdout == "[rank 0 out] old output\n"
+    os.rename(copy, tmp_path / "moved")
+    r = cli("inspect-checkpoint", tmp_path / "moved")
+    assert r.exit_code == 0 and str(tmp_path / "moved/checkpoints") in r.stdout and str(copy) not in r.stdout
+
+
+def test_a_checkpoint_root_outside_the_run_dir_is_named_and_a_gone_one_is_one_sentence(finished_run, cli,
+                                                                                        tmp_path):
+    outside = tmp_path / "shared-ckpt"
+    run_dir = finished_run(JOB.replace("{keep: 3}", f"{{keep: 3, dir: {outside}}}"))
+    assert json.loads((run_dir / "job.json").read_text())["job"]["checkpoint"]["dir"] == str(outside)
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy, symlinks=True)
+    note = f"checkpoint root {outside} (outside the run dir {copy}, as its job records it)"
+    r = cli("gc", copy, "--keep", "2")
+    assert r.exit_code == 0 and r.stdout.splitlines()[0] == note, r.output
+    assert steps(outside) == [40, 60]
+    r = cli("gc", copy, "--keep", "1", "--json")
+    assert r.stderr.strip() == f"resilient: {note}" and json.loads(r.stdout)["root"] == str(outside)
+    assert note in cli("inspect-checkpoint", copy).stdout
+    assert f"ckpt root {outside} (outside the run dir)" in cli("status", copy).stdout
+    shutil.rmtree(outside)
+    for command in (["inspect-checkpoint", copy], ["gc", copy, "--keep", "1"]):
+        r = cli(*command)
+        assert r.exit_code == 2 and r.stdout == "", r.output
+        assert r.stderr == (f"resilient: {copy} records its checkpoint root as {outside}, which does not exist; "
+                            "restore or mount that folder, or pass the checkpoint root you mean as TARGET.\n")
+    assert cli("status", copy).exit_code == 0  # status does not need the checkpoints
+
+
+def test_every_light_command_gives_an_empty_folder_the_same_sentence(tmp_path, cli):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    answers = {(r.exit_code, r.stderr) for r in (cli("status", empty), cli("inspect-checkpoint", empty),
+                                                  cli("gc", empty, "--keep", "1"), cli("logs", empty))}
+    assert answers == {(2, f"resilient: {empty}: no run and no checkpoints here (no job.json, state.json or step_* "
+                           "folders); pass a run dir, a job file or a checkpoint root.\n")}
+    job = tmp_path / "job.yaml"  # a job that never ran: the same agreement
+    job.write_text(JOB)
+    answers = {(r.exit_code, r.stderr) for r in (cli("status", job), cli("inspect-checkpoint", job),
+                                                  cli("gc", job, "--keep", "1"), cli("logs", job))}
+    assert answers == {(2, f"resilient: {job}: no run of this job yet (nothing in {tmp_path / 'runs/demo'}); start "
+                           f"it with `resilient run {job}`.\n")}
+
+
+def test_inspect_step_keeps_the_roots_latest_valid_in_its_head(tmp_path, cli):
+    for s in (250, 300):
+        write_checkpoint(tmp_path, s)
+    r = cli("inspect-checkpoint", tmp_path, "--step", "250")
+    assert r.exit_code == 0
+    assert r.stdout.splitlines()[0].startswith(f"{tmp_path} — step 250: valid; latest valid: step 300")
+    doc = json.loads(cli("inspect-checkpoint", tmp_path, "--step", "250", "--json").stdout)
+    assert doc["latest_valid_step"] == 300 and doc["selected_step"] == 250
+    assert [c["step"] for c in doc["checkpoints"]] == [250]
+
+
+def test_a_bad_module_name_points_at_its_line(tmp_path, cli):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: x\nnproc_per_node: 1\nentrypoint:\n  module: no_such_module_here\n")
+    r = cli("run", job)
+    assert r.exit_code == 2 and r.stderr.startswith(f"resilient: {job}:4: entrypoint.module 'no_such_module_here'")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_logs_names_what_is_missing(finished_run, cli):
+    run_dir = finished_run()
+    r = cli("logs", run_dir, "--attempt", "7")
+    assert r.exit_code == 2 and "no attempt 7 (attempts: 1)" in r.stderr
+    r = cli("logs", run_dir, "--rank", "5")
+    assert r.exit_code == 2 and "has no output for rank 5 (ranks: 0, 1)" in r.stderr
+    r = cli("logs", run_dir, "--follow")  # a finished run: everything, then it returns
+    assert r.exit_code == 0 and r.stdout.count("hello from rank") == 2
+
+
+def test_status_wait_ranks_waits_for_training_ranks(tmp_path, cli, monkeypatch):
+    from supervisor.commands import status as status_cmd
+
+    r = cli("status", tmp_path / "not-yet", "--wait-ranks", "--wait-timeout", "0.3")
+    assert r.exit_code == 1 and "no run with all ranks training after 0.3s" in r.stderr
+    rec = state.RunRecord(name="w", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.RUNNING)
+    rec.ranks = [{"rank": 0, "pid": 11, "world_size": 2, "alive": True, "phase": "train", "heartbeat_at": time.time()}]
+    state.write(tmp_path / "state.json", rec)
+    with RunLock(tmp_path):
+        r = cli("status", tmp_path, "--wait-ranks", "--wait-timeout", "0.3")
+        assert r.exit_code == 1, "rank 1 is not listed yet"
+        rec.ranks.append({**rec.ranks[0], "rank": 1, "pid": 12})
+        state.write(tmp_path / "state.json", rec)
+        r = cli("status", tmp_path, "--wait-ranks", "--json")
+        assert r.exit_code == 0 and [x["pid"] for x in json.loads(r.stdout)["ranks"]] == [11, 12]
+    monkeypatch.setattr(status_cmd, "ENDED_GRACE_S", 0.0)
+    r = cli("status", tmp_path, "--wait-ranks")  # no supervisor holds it: the run is over
+    assert r.exit_code == 1 and "the run has ended (stopped)" in r.stderr
+
+
+def test_piped_output_is_not_wrapped_at_80_columns(finished_run, tmp_path):
+    run_dir = finished_run()
+    env = {k: v for k, v in child_env().items() if k != "COLUMNS"}
+    for argv in (["status", run_dir], ["inspect-checkpoint", run_dir]):
+        out = subprocess.run(resilient(*argv), capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0, out.stderr
+        head = next(line for line in out.stdout.splitlines() if "goodput" in line or "latest valid" in line)
+        assert len(head) > 80 and head.rstrip().endswith(("0.0s", "every byte)")), head
+
+
+def test_readme_links_resolve_inside_the_repo():
+    import re
+
+    text = (REPO / "README.md").read_text()
+    links = [t for t in re.findall(r"\]\(([^)#]+)", text) if "://" not in t]
+    assert "CONTRACT.md" in links
+    assert [t for t in links if not (REPO / t).exists()] == []
+
+
+# ---- read-only run dirs and checkpoint roots: real read-only mounts --------------------------------------
+
+
+def run_cli(argv: list, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, env=child_env(), timeout=timeout)
+
+
+def test_a_read_only_run_dir_or_checkpoint_root_stops_run_with_one_line(readonly_mounts, tmp_path):
+    job = REPO / "jobs" / "tiny-cpu.yaml"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    out = run_cli(readonly(run_dir, resilient("run", job, "--run-dir", run_dir)))
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (f"resilient: {run_dir}: the run dir cannot be written (read-only file system); nothing was "
+                          "launched. Make it writable (remount it read-write), or pick another --run-dir.\n")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    out = run_cli(readonly(ckpt, resilient("run", job, "--run-dir", run_dir, "--set", f"checkpoint.dir={ckpt}")))
+    assert out.returncode == 2 and out.stderr.startswith(f"resilient: {ckpt}: the checkpoint root cannot be written "
+                                                         "(read-only file system); nothing was launched."), out.stderr
+    assert len(out.stderr.splitlines()) == 1 and os.listdir(run_dir) == [], "nothing may be created"
+
+
+def test_gc_on_a_read_only_root_removes_nothing_and_says_so(readonly_mounts, tmp_path):
+    root = tmp_path / "ckpt"
+    for s in (1, 2, 3):
+        write_checkpoint(root, s)
+    why = (f"{root}: cannot delete there (read-only file system); nothing was removed. Make it writable (remount "
+           "it read-write) and run gc again.")
+    out = run_cli(readonly(root, resilient("gc", root, "--keep", "1")))
+    assert out.returncode == 2 and steps(root) == [1, 2, 3]
+    assert out.stdout == f"checkpoint root {root}\n" and out.stderr == f"resilient: {why}\n"
+    out = run_cli(readonly(root, resilient("gc", root, "--keep", "1", "--json")))
+    assert out.returncode == 2 and json.loads(out.stdout) == {"error": why, "exit_code": 2}
+    out = run_cli(readonly(root, resilient("gc", root, "--keep", "1", "--dry-run")))  # a dry run needs no writes
+    assert out.returncode == 0 and "would remove step 1" in out.stdout and steps(root) == [1, 2, 3]
+
+
+def test_gc_lists_what_it_could_not_remove_apart_and_exits_1(readonly_mounts, tmp_path):
+    root = tmp_path / "ckpt"
+    for s in (1, 2, 3):
+        write_checkpoint(root, s)
+    stuck = root / store.step_dirname(1)  # a mount point: it cannot be renamed or deleted
+    out = run_cli(readonly(stuck, resilient("gc", root, "--keep", "1", "--json")))
+    assert out.returncode == 1, out.stderr
+    doc = json.loads(out.stdout)
+    assert [r["step"] for r in doc["removed"]] == [2] and steps(root) == [1, 3]
+    assert [(f["step"], f["why"]) for f in doc["failed"]] == [(1, "Device or resource busy")]
+    assert doc["freed_bytes"] == doc["removed"][0]["size_bytes"]
+    write_checkpoint(root, 4)
+    out = run_cli(readonly(stuck, resilient("gc", root, "--keep", "1")))
+    assert out.returncode == 1 and steps(root) == [1, 4]
+    assert "could not remove step 1 (" in out.stdout and "removed step 3" in out.stdout
+    assert out.stdout.splitlines()[-1].endswith("; 1 folder(s) could not be removed")
+
+
+def test_light_commands_read_a_read_only_run_dir(readonly_mounts, finished_run, tmp_path):
+    run_dir = finished_run()
+    for argv in (["status", run_dir], ["inspect-checkpoint", run_dir], ["logs", run_dir],
+                 ["gc", run_dir, "--keep", "3"]):  # nothing to remove: nothing to write
+        out = run_cli(readonly(run_dir, resilient(*argv)))
+        assert out.returncode == 0, (argv, out.stderr)
+
+
+def test_a_lock_that_cannot_be_taken_is_a_usage_error_not_a_traceback(tmp_path):
+    from supervisor.errors import UsageError
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(UsageError, match="cannot take the run dir's lock"):
+        RunLock(tmp_path / "a-file" / "run").acquire()
+
+
+# ---- for real: the README's recovery exercise, the logs, and a moved run dir that resumes ---------------
+
+
+@pytest.mark.slow
+def test_recovery_exercise_rank_logs_and_a_moved_run_dir_that_resumes(tmp_path, cli):
+    run_dir = tmp_path / "runs" / "recover"
+    # As the README has it: the PID is asked for in another shell, before the run dir even exists.
+    with started(resilient("status", run_dir, "--wait-ranks", "--json"), tmp_path, log=tmp_path / "wait.log") as w, \
+            started(run_job(run_dir, steps=60), tmp_path, log=tmp_path / "sup1.log") as sup:
+        assert w.wait(120) == 0, w.output()
+        ranks = json.loads(w.output())["ranks"]
+        assert [(r["rank"], r["alive"], r["phase"]) for r in ranks] == [(0, True, "train"), (1, True, "train")]
+        with started(resilient("logs", run_dir, "--follow"), tmp_path, log=tmp_path / "follow.log") as follow:
+            os.kill(ranks[1]["pid"], signal.SIGKILL)
+            assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+            assert follow.wait(30) == 0, "--follow ends with the run"
+            followed = follow.output()
+    assert [h["reason"] for h in status(run_dir)["history"]] == ["worker_signal", "finished"]
+    assert "==> attempt 1: " in followed and "==> attempt 2: " in followed and "[rank 0 out] step 60/60" in followed
+    for k in (1, 2):
+        for r in (0, 1):
+            link = run_dir / f"logs/attempt_{k}/rank_{r}"
+            assert os.readlink(link).startswith("ranks/") and (link / "stderr.log").is_file()
+    out = cli("logs", run_dir, "--attempt", "2", "--rank", "0").stdout
+    assert "[rank 0 out] step 60/60" in out and "[rank 0 err] " in out and "[rank 1" not in out
+
+    moved = tmp_path / "moved"
+    os.rename(run_dir, moved)
+    doc = json.loads(cli("inspect-checkpoint", moved, "--json").stdout)
+    assert doc["root"] == str(moved / "checkpoints") and doc["latest_valid_step"] == 60
+    with started(run_job(moved, steps=80), tmp_path, log=tmp_path / "sup2.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+        assert "resuming from step 60" in sup.output()
+    assert not run_dir.exists(), "the resumed run wrote to where the run dir used to be"
+    assert [h["resumed_from_step"] for h in status(moved)["history"]][-1] == 60
+    assert steps(moved / "checkpoints") == [40, 60, 80]
+
+    copy = tmp_path / "archive" / "recover"
+    shutil.copytree(moved, copy, symlinks=True)
+    assert cli("gc", copy, "--keep", "1").exit_code == 0
+    assert steps(copy / "checkpoints") == [80] and steps(moved / "checkpoints") == [40, 60, 80]
+    assert "[rank 0 out] step 80/80" in cli("logs", copy, "--rank", "0").stdout
