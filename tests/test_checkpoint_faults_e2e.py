@@ -51,6 +51,8 @@ def test_a_flipped_byte_in_metadata_is_set_aside_and_the_run_resumes_from_the_on
     assert q["step"] == 60 and q["status"] == "corrupt" and ".metadata checksum mismatch" in q["reason"]
     assert doc["latest_valid_step"] == 80
     assert status(run_dir)["quarantined"][0]["path"] == "step_000000060.quarantined"
+    text = subprocess.run(resilient("status", run_dir), capture_output=True, text=True, env=child_env(), timeout=60)
+    assert "set aside step 60 as step_000000060.quarantined: .metadata checksum mismatch" in text.stdout
 
 
 def test_a_whole_checkpoint_the_ranks_cannot_load_is_retried_then_set_aside_once(tmp_path):

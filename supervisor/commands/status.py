@@ -129,6 +129,8 @@ class StatusResult:
                 f"{n.record.restarts} restart(s){'' if n.supervisor_alive else ' (supervisor not running)'}"
                 for n in self.nodes))
         parts: list[Any] = [Text.from_markup(line) for line in lines]
+        for q in rec.quarantined:  # set aside by the supervisor: the user should know, and may delete them
+            parts.append(Text(f"set aside step {q.get('step')} as {q.get('path')}: {q.get('reason')}", style="yellow"))
         if rec.message and p.effective_state in (RunState.FAILED, RunState.STOPPED):
             parts.append(Text(rec.message, style="red" if p.effective_state is RunState.FAILED else "yellow"))
         if any(n.record.ranks for n in self.nodes):
