@@ -290,7 +290,7 @@ class StatefulSet:
                 else:
                     decl.obj.load_state_dict(state)
             except Exception as e:  # the object's own code: name it rather than show a traceback wall
-                detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""  # one line, not a wall
                 raise StatefulError(f"{self.describe(name, decl)}: its {method}() raised "
                                     f"{type(e).__name__}{': ' + detail if detail else ''}") from e
             notes.append(f"{name} ({decl.kind}"
