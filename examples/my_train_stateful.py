@@ -22,6 +22,7 @@ from train_entry import EMA, PerRank, Replicated, Session, Sharded, TrainState  
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import RandomSampler
 except ImportError:
     sys.exit("examples/my_train_stateful.py needs torchdata's StatefulDataLoader: pip install 'resilient[data]'")
 
@@ -32,9 +33,11 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=64, help="global batch")
     p.add_argument("--samples", type=int, default=1024, help="dataset size (an epoch is samples / batch steps)")
     p.add_argument("--ckpt-interval", type=int, default=50)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = p.parse_args()
 
-    session = Session.start(ckpt_dir="checkpoints", ckpt_interval=args.ckpt_interval, seed=0)  # ◀
+    session = Session.start(ckpt_dir="checkpoints", ckpt_interval=args.ckpt_interval, seed=0,  # ◀
+                            device=args.device)
     device = session.device
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1, 64), nn.Tanh(), nn.Dropout(0.05), nn.Linear(64, 64), nn.Tanh(),
@@ -53,8 +56,13 @@ def main() -> int:
     x = torch.rand(args.samples, 1, generator=g) * 6 - 3
     data = TensorDataset(x, torch.sin(x) + 0.05 * torch.randn(args.samples, 1, generator=g))
     shard = Subset(data, range(session.rank, args.samples, session.world_size))
-    loader = StatefulDataLoader(shard, batch_size=args.batch // session.world_size, shuffle=True, drop_last=True,
-                                generator=torch.Generator().manual_seed(1000 + session.rank))
+    # The sampler gets a generator of its own, the loader another: a loader draws a base seed from its generator
+    # each epoch, which torchdata (0.11) does not replay on restore, so with one shared generator (shuffle=True)
+    # the epoch after a resume is shuffled differently (measured). Without any generator, both would draw from
+    # the global RNG, which resilient restores for dropout: the resumed run would draw where the other did not.
+    sampler = RandomSampler(shard, generator=torch.Generator().manual_seed(1000 + session.rank))
+    loader = StatefulDataLoader(shard, batch_size=args.batch // session.world_size, sampler=sampler, drop_last=True,
+                                generator=torch.Generator().manual_seed(2000 + session.rank))
 
     state = TrainState(model, optimizer, stateful={  # ◀ what a checkpoint holds, and how it is spread
         "scaler": Replicated(scaler),  # ◀ the same on every rank
