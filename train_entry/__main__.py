@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -27,6 +28,8 @@ from train_entry.precision import DTYPES, Precision
 from train_entry.session import Session
 from train_entry.state import TrainState
 from train_entry.stateful import PerRank, Replicated, Sharded
+
+log = logging.getLogger("train_entry")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scaler-growth-interval", type=int, default=2000, help="fp16's GradScaler: steps per growth")
     p.add_argument("--ema", type=float, default=None, metavar="DECAY",
                    help="keep an exponential moving average of the weights (sharded like them), e.g. 0.999")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms: on CUDA, bf16/fp16 attention's backward is otherwise not "
+                        "bitwise reproducible, even between two uninterrupted runs")
     p.add_argument("--loader", choices=("stream", "stateful"), default="stream",
                    help="stateful: read batches through torchdata's StatefulDataLoader, its position saved per rank")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -114,6 +120,9 @@ def build(args: argparse.Namespace, session: Session, precision: Precision,
         stateful["loader"] = PerRank(loader)  # each rank's own position; reshard_state_dict follows a new world
     if args.test_stateful_load_raises:
         stateful["test_refuses_load"] = Replicated(RefusesToLoad())
+    if session.ctx.is_main and (stateful or precision.name != "fp32"):
+        log.info("precision %s (%s); stateful objects: %s", precision.name, precision.how,
+                 ", ".join(f"{name} ({type(d).__name__})" for name, d in stateful.items()) or "none")
     return TrainState(model, optimizer, scheduler, stateful=stateful), ema, loader
 
 
@@ -167,6 +176,9 @@ def hooks_armed(args: argparse.Namespace) -> bool:
 @record
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reads it at its first use
+        torch.use_deterministic_algorithms(True)
     session = Session.start(ckpt_dir=args.ckpt_dir, ckpt_interval=args.ckpt_interval,
                             async_save=not args.sync_save, heartbeat_dir=args.heartbeat_dir,
                             heartbeat_interval_s=args.heartbeat_interval_s,
