@@ -32,6 +32,13 @@ class Precision:
     def uses_fsdp_policy(self) -> bool:
         return self.name != "fp32" and self.device.type == "cuda"
 
+    @property
+    def how(self) -> str:
+        if self.name == "fp32":
+            return "no casting"
+        what = "FSDP2 MixedPrecisionPolicy" if self.uses_fsdp_policy else f"autocast on {self.device.type}"
+        return what + (", GradScaler" if self.scaler is not None else "")
+
     def shard_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for every `fully_shard` call."""
         if not self.uses_fsdp_policy:

@@ -288,8 +288,8 @@ class Session:
         """Every rank logs the same sentence (the supervisor reports the failed rank's last log line) and exits
         with EXIT_CONFIG: retrying cannot help."""
         where = f"rank {rank}: " if rank >= 0 and self.world_size > 1 and not everyone_failed else ""
-        log.error("cannot %s: %s%s; exiting with code %d (a restart cannot fix this)", doing, where, problem,
-                  EXIT_CONFIG)
+        # Short enough for the supervisor's one-line report (it keeps 300 characters of the last log line).
+        log.error("cannot %s: %s%s (exit %d)", doing, where, problem, EXIT_CONFIG)
         self.beater.stop(phase="exited", exit_code=EXIT_CONFIG, exit_reason="config", saving_step=None)
         dist.destroy_process_group()
         sys.exit(EXIT_CONFIG)

@@ -240,8 +240,8 @@ class StatefulSet:
                 if reshard and not callable(getattr(decl.obj, RESHARD_HOOK, None)):
                     raise StatefulError(
                         f"{self.describe(name, decl)} holds per-rank state saved by {saved_world} ranks and this "
-                        f"run has {world_size}: it has no {RESHARD_HOOK}(states, rank, world_size) hook to divide "
-                        f"it anew, so relaunch on {saved_world} ranks or give it that hook")
+                        f"run has {world_size}, with no {RESHARD_HOOK}(states, rank, world_size) hook to divide "
+                        f"it: relaunch on {saved_world} ranks or add the hook")
                 for r in ranks if reshard else [rank]:
                     sd[f"per_rank.{name}.rank{r}"] = b""
                 self._plan[name] = _Plan(decl.kind, saved_world, reshard)
