@@ -227,7 +227,7 @@ class Session:
                 # The template raises the same StatefulError on every rank (it depends only on the checkpoint's
                 # keys, the world size and the declarations), so no rank is left alone inside DCP's load.
                 sd = self.ckpt.load(path, lambda keys: self._template(state, keys))
-                notes = state.load(sd, self.rank, self.device, self.seed, self.world_size)
+                notes = state.load(sd, self.rank, self.device, self.seed, world_size=self.world_size)
             except StatefulError as e:
                 problem = str(e)
             if state.stateful:
@@ -257,7 +257,7 @@ class Session:
         if ignored and self.ctx.is_main:
             log.warning("the checkpoint holds stateful %s, which this run does not declare: not restored",
                         ", ".join(map(repr, ignored)))
-        return state.template(self.rank, keys, self.world_size)
+        return state.template(self.rank, keys, world_size=self.world_size)
 
     def _gather(self, mine: Any) -> list[Any]:
         everyone: list[Any] = [None] * self.world_size

@@ -61,7 +61,8 @@ class TrainState:
 
     `extra` holds small JSON values that are the same on every rank (a user's own counters). `stateful`
     holds the loop's other objects with state_dict()/load_state_dict(), each declared Replicated, Sharded or
-    PerRank (train_entry.stateful): a GradScaler, an EMA, a stateful data loader.
+    PerRank (train_entry.stateful): a GradScaler, an EMA, a stateful data loader. The declarations are read
+    once, when the TrainState is built.
     """
 
     model: torch.nn.Module
@@ -102,7 +103,7 @@ class TrainState:
         """Why the ranks' replicated states are not the same (a sentence), or None."""
         return self._stateful.differing(digests)
 
-    def template(self, rank: int, keys: set[str], world_size: int = 1) -> dict[str, Any]:
+    def template(self, rank: int, keys: set[str], *, world_size: int) -> dict[str, Any]:
         """A state dict shaped for DCP to load into: this run's sharding, the checkpoint's optional keys.
         Raises StatefulError when a stateful object cannot be restored from what the checkpoint holds."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -118,8 +119,8 @@ class TrainState:
         """Stateful objects the checkpoint holds and this run does not declare."""
         return self._stateful.undeclared(keys)
 
-    def load(self, sd: dict[str, Any], rank: int, device: torch.device, seed: int,
-             world_size: int = 1) -> list[str]:
+    def load(self, sd: dict[str, Any], rank: int, device: torch.device, seed: int, *,
+             world_size: int) -> list[str]:
         """Restore everything from a loaded `template`. Returns a note per stateful object restored; raises
         StatefulError naming an object whose own load_state_dict (or reshard hook) failed."""
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
