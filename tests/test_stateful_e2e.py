@@ -39,6 +39,7 @@ def example_job(run_dir: Path, steps: int, *sets: str) -> list[str]:
 
 def test_example_survives_two_sigkills_bitwise_and_refuses_a_world_size_its_loader_cannot_follow(tmp_path, rng):
     """The acceptance line: model, optimizer, EMA, scaler and loader state equal an uninterrupted run's."""
+    pytest.importorskip("torchdata", reason="the example needs torchdata: pip install -e '.[dev]' installs it")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     with started(example_job(straight, 200), tmp_path, log=tmp_path / "straight.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
