@@ -5,8 +5,9 @@
 #
 # Installs the project beside that torch without touching it (--no-deps; falls back to running from the
 # checkout), prints the GPU, driver, torch, CUDA and NCCL versions, runs the GPU tests (tests/test_gpu.py), then
-# the GPT-2-small job (jobs/gpu-small.yaml) under `resilient run` with two SIGKILLs (bench/gpu_small.py), then
-# the checkpoint benchmark on one GPU beside its floors (bench/checkpoint_save.py --device cuda).
+# the GPT-2-small job (jobs/gpu-small.yaml) under `resilient run` with two SIGKILLs (bench/gpu_small.py), in fp32
+# and again in bf16 with an EMA and the stateful loader (the two step times printed), then the checkpoint
+# benchmark on one GPU beside its floors (bench/checkpoint_save.py --device cuda).
 # Everything it prints also lands in OUT_DIR (default bench/results/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,8 +23,15 @@ python3 -m pytest -m gpu -p no:cacheprovider -v -rs 2>&1 | tee "$out/gpu_tests.t
 tests=${PIPESTATUS[0]}
 python3 bench/gpu_small.py --out "$out" 2>&1 | tee "$out/gpu_small.txt"
 small=${PIPESTATUS[0]}
+# The same job in bf16 (FSDP2 MixedPrecisionPolicy) with a sharded EMA and the stateful loader: its step time
+# against fp32's above is the README's bf16 figure.
+python3 bench/gpu_small.py --out "$out/bf16" --entry-args "--precision bf16 --ema 0.999 --loader stateful" \
+  2>&1 | tee "$out/gpu_small_bf16.txt"
+bf16=${PIPESTATUS[0]}
+python3 -c "import json, sys; f, b = (json.load(open(p))['step_s_median'] for p in sys.argv[1:]); print(f'step time: fp32 {f} s, bf16 {b} s' + (f' ({f / b:.2f}x)' if f and b else ''))" \
+  "$out/gpu_small.json" "$out/bf16/gpu_small.json" || true
 python3 bench/checkpoint_save.py --device cuda --nproc 1 --gb 2 --out "$out/checkpoint_save.json" 2>&1 \
     | tee "$out/checkpoint_save.txt"
 saves=${PIPESTATUS[0]}
-echo "gpu tests: exit $tests; GPT-2-small job: exit $small; checkpoint bench: exit $saves"
-exit $(( tests || small || saves ))
+echo "gpu tests: exit $tests; GPT-2-small job: exit $small; in bf16: exit $bf16; checkpoint bench: exit $saves"
+exit $(( tests || small || bf16 || saves ))

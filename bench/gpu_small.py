@@ -1,7 +1,7 @@
 """The GPT-2-small job (jobs/gpu-small.yaml: 12 layers, width 768, vocab 50304, batch 32 x 512, one GPU, async
 saves every 100 steps, `verify: checksum`) under `resilient run`, SIGKILLed twice, to the end.
 
-    python bench/gpu_small.py [--out DIR] [--kill-at 150,380] [--set KEY=VALUE ...]
+    python bench/gpu_small.py [--out DIR] [--kill-at 150,380] [--set KEY=VALUE ...] [--entry-args '--precision bf16']
 
 Prints and writes (DIR/gpu_small.json): the step time, each save's blocking time and persist time, each kill's
 recovery (SIGKILL -> first step of the relaunched rank, and -> first step past the one it died at), the run's
@@ -61,6 +61,8 @@ def main() -> int:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu"))
     p.add_argument("--kill-at", default="150,380", help="the steps (attempt 1, attempt 2) to SIGKILL rank 0 at")
     p.add_argument("--set", dest="sets", action="append", default=[])
+    p.add_argument("--entry-args", default="",
+                   help="appended to the job's entry-point args, e.g. '--precision bf16 --ema 0.999'")
     p.add_argument("--timeout", type=float, default=560.0, help="give up after this many seconds")
     args = p.parse_args()
     out = Path(args.out)
@@ -70,6 +72,11 @@ def main() -> int:
     argv = [sys.executable, "-m", "supervisor", "run", args.job, "--run-dir", str(run_dir)]
     for s in args.sets:
         argv += ["--set", s]
+    if args.entry_args:
+        import yaml
+
+        job_args = yaml.safe_load(Path(args.job).read_text())["entrypoint"].get("args", [])
+        argv += ["--set", f"entrypoint.args={json.dumps([*map(str, job_args), *args.entry_args.split()])}"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     console = out / "gpu_small_console.log"

@@ -61,7 +61,34 @@ def dcp_tensors(path: Path) -> dict[str, object]:
     return flat
 
 
+STATEFUL_PREFIXES = ("replicated.", "sharded.", "per_rank.")
+
+
+def stateful_entries(path: Path) -> dict[str, object]:
+    """The stateful objects' entries of a checkpoint (train_entry.stateful), bytes leaves decoded: e.g.
+    {"replicated.scaler": {"scale": ...}, "per_rank.loader.rank1": {...}, "sharded.ema.0.weight": tensor}."""
+    from train_entry.stateful import unpack
+
+    return {k: unpack(v) if isinstance(v, bytes) else v for k, v in dcp_tensors(path).items()
+            if k.startswith(STATEFUL_PREFIXES)}
+
+
+def same_value(a: object, b: object) -> bool:
+    """Bitwise equality through nested containers (tensors compared with torch.equal, dtypes included)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
 def assert_same_training_state(a: Path, b: Path) -> None:
+    """Model, optimizer and position bitwise equal, and every stateful object's entries (scaler, EMA, loader)."""
     import torch
 
     ta, tb = dcp_tensors(a), dcp_tensors(b)
@@ -71,3 +98,6 @@ def assert_same_training_state(a: Path, b: Path) -> None:
     unequal = [k for k in tensors if not torch.equal(ta[k], tb[k])]
     assert unequal == [], f"{len(unequal)} tensors differ, e.g. {unequal[:3]}"
     assert json.loads(ta["train"]) == json.loads(tb["train"])
+    sa, sb = stateful_entries(a), stateful_entries(b)
+    unequal = [k for k in sa if not same_value(sa[k], sb[k])]
+    assert unequal == [], f"stateful entries differ: {unequal[:3]}"

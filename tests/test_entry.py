@@ -15,7 +15,7 @@ import pytest
 
 from supervisor import store
 from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED
-from tests.ckpt_helpers import assert_same_training_state, dcp_tensors
+from tests.ckpt_helpers import assert_same_training_state, dcp_tensors, stateful_entries
 from tests.proc import Proc, heartbeat, started, step_of, torchrun, wait_for
 
 pytestmark = pytest.mark.slow
@@ -49,8 +49,10 @@ def max_step(samples: Path) -> int:
 
 
 def test_sigkill_between_saves_and_plain_relaunch_is_bitwise_exact(tmp_path, rng):
-    """Uninterrupted vs. SIGKILLed twice at random steps and relaunched with plain torchrun."""
-    common = ["--steps", "60", "--ckpt-interval", "10"]
+    """Uninterrupted vs. SIGKILLed twice at random steps and relaunched with plain torchrun, with every kind of
+    stateful object the entry point has: fp16's GradScaler, a sharded EMA, a per-rank StatefulDataLoader."""
+    common = ["--steps", "60", "--ckpt-interval", "10", "--precision", "fp16", "--scaler-growth-interval", "4",
+              "--ema", "0.9", "--loader", "stateful", "--n-embd", "32", "--seq-len", "32"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     straight.mkdir(), killed.mkdir()
     run_to_end(straight, 2, common, "straight")
@@ -90,6 +92,10 @@ def test_sigkill_between_saves_and_plain_relaunch_is_bitwise_exact(tmp_path, rng
     final_b = store.latest_valid(killed / "checkpoints")
     assert final_a.step == final_b.step == 60, "a finished run's newest valid checkpoint is its final step"
     assert_same_training_state(final_a.path, final_b.path)
+    entries = stateful_entries(final_b.path)
+    assert {"replicated.scaler", "per_rank.loader.rank0", "per_rank.loader.rank1"} <= entries.keys()
+    assert sum(k.startswith("sharded.ema.") for k in entries) > 20
+    assert entries["replicated.scaler"]["scale"] != 2.0**16, "the scaler never moved: its state proves nothing"
 
 
 @pytest.mark.matrix

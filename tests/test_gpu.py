@@ -1,4 +1,5 @@
 """The real path on CUDA with NCCL. Skipped where CUDA is absent; the only tests that use a GPU.
+Also mixed precision (bf16, fp16 with its GradScaler) with an EMA and the stateful loader, resumed bitwise.
 
 On a CUDA machine whose Python already has a CUDA torch: `bash bench/gpu_check.sh` (prints the GPU, torch,
 CUDA and NCCL versions, runs these, then the GPT-2-small job), or `python -m pytest -m gpu`. One rank on one
@@ -16,7 +17,7 @@ import pytest
 
 from supervisor import store
 from supervisor.protocol import CommitRecord, SaveRecord, read_step_log
-from tests.ckpt_helpers import assert_same_training_state
+from tests.ckpt_helpers import assert_same_training_state, stateful_entries
 from tests.proc import child_env, started, wait_for
 from tests.runs import RUN_TIMEOUT, live_ranks, rank_log, resilient, run_job, state, status
 
@@ -28,9 +29,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 NPROC = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 1
 
 
-def gpu_job(run_dir, steps: int) -> list[str]:
+def gpu_job(run_dir, steps: int, *extra: str) -> list[str]:
     return run_job(run_dir, f"nproc_per_node={NPROC}", "checkpoint.verify=checksum", steps=steps, sleep=0.0,
-                   device="cuda", extra_args=("--n-layer", "4", "--n-embd", "256", "--batch", "32"))
+                   device="cuda", extra_args=("--n-layer", "4", "--n-embd", "256", "--batch", "32", *extra))
 
 
 def test_host_staging_is_pinned_allocated_once_and_a_snapshot():
@@ -81,3 +82,32 @@ def test_nccl_run_survives_two_sigkills_resumes_bitwise_exact_and_verifies(tmp_p
                             text=True, env=child_env(), timeout=120)
     doc = json.loads(verify.stdout)
     assert verify.returncode == 0 and doc["verified"] and {c["status"] for c in doc["checkpoints"]} == {"valid"}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_with_ema_and_stateful_loader_resumes_bitwise_after_two_sigkills(tmp_path, precision):
+    """FSDP2's MixedPrecisionPolicy (and fp16's GradScaler), a sharded EMA and the per-rank loader on CUDA: the
+    final checkpoint, stateful objects included, equals an uninterrupted run's."""
+    # Deterministic algorithms: flash attention's backward (bf16/fp16) is not reproducible by default.
+    extra = ("--precision", precision, "--ema", "0.99", "--loader", "stateful", "--deterministic")
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    with started(gpu_job(straight, 120, *extra), tmp_path, log=tmp_path / "straight.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    log0 = rank_log(straight, 1, 0)
+    assert f"precision {precision} (FSDP2 MixedPrecisionPolicy" in log0, log0[-2000:]
+
+    def attempt_ranks(attempt: int, min_step: int) -> list[dict]:
+        return live_ranks(killed, min_step, nproc=NPROC) if state(killed).get("attempt") == attempt else []
+
+    with started(gpu_job(killed, 120, *extra), tmp_path, log=tmp_path / "killed.log") as sup:
+        for attempt, at_step in ((1, 30), (2, 50)):
+            ranks = wait_for(lambda a=attempt, s=at_step: attempt_ranks(a, s), 180, f"attempt {attempt} training")
+            os.kill(ranks[-1]["pid"], signal.SIGKILL)
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    assert [h["reason"] for h in status(killed)["history"]] == ["worker_signal", "worker_signal", "finished"]
+    a, b = store.latest_valid(straight / "checkpoints"), store.latest_valid(killed / "checkpoints")
+    assert a.step == b.step == 120
+    assert_same_training_state(a.path, b.path)
+    entries = stateful_entries(b.path)
+    assert sum(k.startswith("sharded.ema.") for k in entries) > 20
+    assert ("replicated.scaler" in entries) == (precision == "fp16")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -19,10 +20,16 @@ from torch.distributed.fsdp import fully_shard
 
 from supervisor.protocol import EXIT_CONFIG
 from train_entry.checkpoint import SavePause
-from train_entry.data import CorpusConfig, TokenStream, rank_slice
+from train_entry.data import CorpusConfig, TokenStream
+from train_entry.ema import EMA
+from train_entry.loader import StatefulLoader, stream_batches
 from train_entry.model import GPT, GPTConfig
+from train_entry.precision import DTYPES, Precision
 from train_entry.session import Session
 from train_entry.state import TrainState
+from train_entry.stateful import PerRank, Replicated, Sharded
+
+log = logging.getLogger("train_entry")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -41,6 +48,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-sequences", type=int, default=4096)
+    p.add_argument("--precision", choices=tuple(DTYPES), default="fp32",
+                   help="bf16/fp16: FSDP2 MixedPrecisionPolicy on CUDA, autocast on CPU; fp16 adds a GradScaler")
+    p.add_argument("--scaler-growth-interval", type=int, default=2000, help="fp16's GradScaler: steps per growth")
+    p.add_argument("--ema", type=float, default=None, metavar="DECAY",
+                   help="keep an exponential moving average of the weights (sharded like them), e.g. 0.999")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms: on CUDA, bf16/fp16 attention's backward is otherwise not "
+                        "bitwise reproducible, even between two uninterrupted runs")
+    p.add_argument("--loader", choices=("stream", "stateful"), default="stream",
+                   help="stateful: read batches through torchdata's StatefulDataLoader, its position saved per rank")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--sync-every", type=int, default=0,
@@ -64,21 +81,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="POINT:SECONDS[@STEP] (sleep there) or POINT:enospc[@STEP] (fill the checkpoint filesystem)")
     t.add_argument("--test-oom-at-step", type=int, help="ask the allocator for far more memory than exists")
     t.add_argument("--test-log-samples", default=None, help="folder: each rank logs the sample ids it trains on")
+    t.add_argument("--test-stateful-load-raises", action="store_true",
+                   help="checkpoint one more stateful object, whose load_state_dict raises on resume")
     args = p.parse_args(argv)
     if args.batch < 1 or args.steps < 0 or args.n_embd % args.n_head:
         p.error("need --batch ≥ 1, --steps ≥ 0, and --n-embd divisible by --n-head")
     return args
 
 
-def build(args: argparse.Namespace, session: Session) -> TrainState:
-    """The model (FSDP2: each block, then the root), AdamW, warmup + cosine LR."""
+def build(args: argparse.Namespace, session: Session, precision: Precision,
+          data: TokenStream) -> tuple[TrainState, EMA | None, StatefulLoader | None]:
+    """The model (FSDP2: each block, then the root), AdamW, warmup + cosine LR; the EMA, the loss scaler and
+    the stateful loader where asked for, each checkpointed through `stateful=` as its state is spread."""
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                     n_embd=args.n_embd, dropout=args.dropout)
     torch.manual_seed(args.seed)  # identical initial weights on every rank, before sharding
     model = GPT(cfg).to(session.device)
     for block in model.blocks:
-        fully_shard(block, mesh=session.ctx.mesh)
-    fully_shard(model, mesh=session.ctx.mesh)
+        fully_shard(block, mesh=session.ctx.mesh, **precision.shard_kwargs())
+    fully_shard(model, mesh=session.ctx.mesh, **precision.shard_kwargs())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                   betas=(0.9, 0.95))
 
@@ -89,7 +110,22 @@ def build(args: argparse.Namespace, session: Session) -> TrainState:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
-    return TrainState(model, optimizer, scheduler)
+    stateful: dict = {}
+    ema = EMA(model, args.ema) if args.ema is not None else None
+    if ema is not None:
+        stateful["ema"] = Sharded(ema)  # DTensor shards like the weights: resharded like them
+    if precision.scaler is not None:
+        stateful["scaler"] = Replicated(precision.scaler)  # every rank agrees on inf/NaN, so on the scale
+    loader = None
+    if args.loader == "stateful":
+        loader = StatefulLoader(data, args.batch, session.rank, session.world_size, seed=args.seed)
+        stateful["loader"] = PerRank(loader)  # each rank's own position; reshard_state_dict follows a new world
+    if args.test_stateful_load_raises:
+        stateful["test_refuses_load"] = Replicated(RefusesToLoad())
+    if session.ctx.is_main and (stateful or precision.name != "fp32"):
+        log.info("precision %s (%s); stateful objects: %s", precision.name, precision.how,
+                 ", ".join(f"{name} ({type(d).__name__})" for name, d in stateful.items()) or "none")
+    return TrainState(model, optimizer, scheduler, stateful=stateful), ema, loader
 
 
 class TestHooks:
@@ -126,6 +162,16 @@ class TestHooks:
             time.sleep(self.extra_sleep)
 
 
+class RefusesToLoad:
+    """Test hook: a stateful object whose load_state_dict raises, as a user's object with a bug would."""
+
+    def state_dict(self) -> dict:
+        return {"saved": True}
+
+    def load_state_dict(self, state: dict) -> None:
+        raise RuntimeError("test hook: this object refuses its saved state")
+
+
 def hooks_armed(args: argparse.Namespace) -> bool:
     """Test hooks fire on every attempt unless --test-attempts names some (RESILIENT_ATTEMPT)."""
     return args.test_attempts is None or os.environ.get("RESILIENT_ATTEMPT", "0") in args.test_attempts.split(",")
@@ -134,31 +180,39 @@ def hooks_armed(args: argparse.Namespace) -> bool:
 @record
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reads it at its first use
+        torch.use_deterministic_algorithms(True)
     session = Session.start(ckpt_dir=args.ckpt_dir, ckpt_interval=args.ckpt_interval,
                             async_save=not args.sync_save, heartbeat_dir=args.heartbeat_dir,
                             heartbeat_interval_s=args.heartbeat_interval_s,
                             collective_timeout_s=args.collective_timeout_s, device=args.device, seed=args.seed,
                             save_pause=args.test_save_pause if hooks_armed(args) else None,
                             sync_every=args.sync_every)
-    state = build(args, session)
+    precision = Precision(args.precision, session.device, scaler_growth_interval=args.scaler_growth_interval)
     data = TokenStream(CorpusConfig(vocab_size=args.vocab, seq_len=args.seq_len,
                                     n_sequences=args.corpus_sequences, seed=args.seed + 1234))
+    state, ema, loader = build(args, session, precision, data)
     hooks = TestHooks(args, session)
     step = session.resume(state)
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     model.train()
     tokens_per_step = args.batch * args.seq_len
+    batches = loader.batches(session.device) if loader is not None else stream_batches(
+        data, lambda: state.samples_seen, args.batch, session.rank, session.world_size, session.device)
     t_log, step_log = time.monotonic(), step
     while step < args.steps:
-        ids = rank_slice(state.samples_seen, args.batch, session.rank, session.world_size)
-        x, y = data.batch(ids, session.device)
-        loss_sum = model(x, y) * hooks.loss_factor(step + 1)
+        ids, x, y = next(batches)
+        with precision.autocast():
+            loss_sum = model(x, y) * hooks.loss_factor(step + 1)
         # Gradients are averaged over ranks; scaling by world/global tokens makes that the exact global
         # mean even when ranks hold uneven shares of the batch.
-        (loss_sum * (session.world_size / tokens_per_step)).backward()
-        optimizer.step()
+        precision.backward(loss_sum * (session.world_size / tokens_per_step))
+        precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        if ema is not None:
+            ema.update(model)
         step += 1
         state.step, state.samples_seen, state.tokens_seen = (step, state.samples_seen + args.batch,
                                                              state.tokens_seen + tokens_per_step)

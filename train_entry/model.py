@@ -73,7 +73,7 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
+        logits = self.head(self.ln_f(x)).float()  # the loss in float32 whatever the compute precision
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
 
     def num_params(self) -> int:

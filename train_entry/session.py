@@ -30,12 +30,21 @@ import torch
 import torch.distributed as dist
 
 from supervisor import store
-from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat, SaveRecord
+from supervisor.protocol import (
+    EXIT_CHECKPOINT_LOAD,
+    EXIT_CONFIG,
+    EXIT_NAN,
+    EXIT_PREEMPTED,
+    Handover,
+    Heartbeat,
+    SaveRecord,
+)
 from train_entry import dist as dist_util
 from train_entry import signals
 from train_entry.checkpoint import Checkpointer, SavePause
 from train_entry.heartbeat import Beater
 from train_entry.state import TrainState, seed_rank
+from train_entry.stateful import StatefulError
 
 log = logging.getLogger("train_entry")
 
@@ -203,10 +212,17 @@ class Session:
 
     def resume(self, state: TrainState) -> int:
         """Load the agreed checkpoint into `state` (resharding if the world size changed); return the step
-        to continue from, 0 for a fresh start."""
+        to continue from, 0 for a fresh start.
+
+        A stateful object that cannot be restored as declared (train_entry.stateful) ends every rank with
+        EXIT_CONFIG (78) and one sentence naming it: the checkpoint's bytes were verified, so what fails is
+        the object or its declaration, and every checkpoint of the run would fail the same way.
+        """
         self.beater.set_phase("load", now=True)
         t_resume = time.monotonic()
         step = self._choose_resume_step()
+        if state.stateful:
+            self._check_stateful(state)
         if step is None:
             seed_rank(self.seed, self.rank, 0, self.device)
             if self.ctx.is_main:
@@ -215,21 +231,30 @@ class Session:
             path = self.ckpt.root / store.step_dirname(step)
             t0 = time.monotonic()
             self.beater.update(loading_step=step)
+            problem, notes = None, []
             try:
-                sd = self.ckpt.load(path, lambda keys: state.template(self.rank, keys))
-                state.load(sd, self.rank, self.device, self.seed)
-                if state.step != step:
-                    raise RuntimeError(f"it holds step {state.step}, expected {step}")
+                # The template raises the same StatefulError on every rank (it depends only on the checkpoint's
+                # keys, the world size and the declarations), so no rank is left alone inside DCP's load.
+                sd = self.ckpt.load(path, lambda keys: self._template(state, keys))
+                notes = state.load(sd, self.rank, self.device, self.seed, world_size=self.world_size)
+            except StatefulError as e:
+                problem = str(e)
             except (SystemExit, KeyboardInterrupt):
                 raise
             except BaseException as e:  # DCP's CheckpointException is a BaseException; every failure is news
                 self._exit_unloadable(step, path, e)
+            if state.stateful:
+                self._stop_unless_all_fine(problem, f"resume from {path.name}")
+            if state.step != step:
+                self._exit_unloadable(step, path, RuntimeError(f"it holds step {state.step}, expected {step}"))
             if self.ctx.is_main:
                 manifest = store.inspect(path).manifest
                 saved_world = manifest.world_size if manifest else "?"
                 reshard = f", resharded from {saved_world} ranks" if saved_world != self.world_size else ""
                 log.info("resumed from step %d (%s) in %.2fs%s", step, path.name, time.monotonic() - t0,
                          reshard)
+                if notes:
+                    log.info("restored stateful: %s", ", ".join(notes))
         self.last_saved_step = step
         self.resumed_from = step
         self.startup["choose_and_load_s"] = time.monotonic() - t_resume
@@ -239,6 +264,48 @@ class Session:
         self.beater.update(step=step or 0, resumed_from=step)
         self.beater.set_phase("train", now=True)
         return step or 0
+
+    def _template(self, state: TrainState, keys: set[str]) -> dict[str, Any]:
+        ignored = state.undeclared_stateful(keys)
+        if ignored and self.ctx.is_main:
+            log.warning("the checkpoint holds stateful %s, which this run does not declare: not restored",
+                        ", ".join(map(repr, ignored)))
+        return state.template(self.rank, keys, world_size=self.world_size)
+
+    def _gather(self, mine: Any) -> list[Any]:
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.ctx.ckpt_group)
+        return everyone
+
+    def _check_stateful(self, state: TrainState) -> None:
+        """Every rank's stateful objects fit their declarations, and the replicated ones are the same on
+        every rank (one small gather; otherwise a save would silently keep one rank's copy)."""
+        try:
+            mine: tuple[str | None, dict[str, str]] = (None, state.check_stateful())
+        except StatefulError as e:
+            mine = (str(e), {})
+        everyone = self._gather(mine)
+        failed = [(r, problem) for r, (problem, _) in enumerate(everyone) if problem]
+        if not failed and (differs := state.stateful_differs([digests for _, digests in everyone])):
+            failed = [(-1, differs)]
+        if failed:
+            self._exit_config("start", *failed[0], everyone_failed=len(failed) == self.world_size)
+
+    def _stop_unless_all_fine(self, problem: str | None, doing: str) -> None:
+        """Agree across ranks on `problem` (None: fine here); if any rank has one, exit with EXIT_CONFIG."""
+        failed = [(r, p) for r, p in enumerate(self._gather(problem)) if p]
+        if failed:
+            self._exit_config(doing, *failed[0], everyone_failed=len(failed) == self.world_size)
+
+    def _exit_config(self, doing: str, rank: int, problem: str, everyone_failed: bool) -> None:
+        """Every rank logs the same sentence (the supervisor reports the failed rank's last log line) and exits
+        with EXIT_CONFIG: retrying cannot help."""
+        where = f"rank {rank}: " if rank >= 0 and self.world_size > 1 and not everyone_failed else ""
+        # Short enough for the supervisor's one-line report (it keeps 300 characters of the last log line).
+        log.error("cannot %s: %s%s (exit %d)", doing, where, problem, EXIT_CONFIG)
+        self.beater.stop(phase="exited", exit_code=EXIT_CONFIG, exit_reason="config", saving_step=None)
+        dist.destroy_process_group()
+        sys.exit(EXIT_CONFIG)
 
     # ---- every step ---------------------------------------------------------------------------------
 

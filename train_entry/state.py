@@ -1,5 +1,6 @@
 """What a checkpoint holds: model and optimizer (sharded, via get/set_state_dict), LR scheduler, each rank's
-RNG states, and the training position (step, samples and tokens seen)."""
+RNG states, the training position (step, samples and tokens seen), and the loop's own stateful objects
+(a GradScaler, an EMA, a data loader: see train_entry.stateful)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import logging
 import pickle
 import random
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from train_entry.stateful import Declared, StatefulSet
 
 log = logging.getLogger("train_entry")
 
@@ -58,8 +62,10 @@ def seed_rank(seed: int, rank: int, step: int, device: torch.device) -> None:
 class TrainState:
     """The resumable state of a training run.
 
-    `extra` holds small JSON values that are the same on every rank (a user's own counters); anything
-    per-rank beyond the RNG belongs in the data position, which is a single global number here.
+    `extra` holds small JSON values that are the same on every rank (a user's own counters). `stateful`
+    holds the loop's other objects with state_dict()/load_state_dict(), each declared Replicated, Sharded or
+    PerRank (train_entry.stateful): a GradScaler, an EMA, a stateful data loader. The declarations are read
+    once, when the TrainState is built.
     """
 
     model: torch.nn.Module
@@ -69,6 +75,10 @@ class TrainState:
     samples_seen: int = 0
     tokens_seen: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    stateful: Mapping[str, Declared] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._stateful = StatefulSet(self.stateful)  # checks names and declarations now, not at the first save
 
     def position(self) -> dict[str, Any]:
         return {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
@@ -84,28 +94,52 @@ class TrainState:
         }
         if self.scheduler is not None:
             sd["scheduler"] = self.scheduler.state_dict()
+        sd.update(self._stateful.state_dict(rank))
         return sd
 
-    def template(self, rank: int, keys: set[str]) -> dict[str, Any]:
-        """A state dict shaped for DCP to load into: this run's sharding, the checkpoint's optional keys."""
+    def check_stateful(self) -> dict[str, str]:
+        """Check the stateful objects against their declarations (StatefulError if one does not fit); return
+        the digests of the replicated ones, for the ranks to compare."""
+        return self._stateful.check()
+
+    def stateful_differs(self, digests: list[dict[str, str]]) -> str | None:
+        """Why the ranks' replicated states are not the same (a sentence), or None."""
+        return self._stateful.differing(digests)
+
+    def template(self, rank: int, keys: set[str], *, world_size: int) -> dict[str, Any]:
+        """A state dict shaped for DCP to load into: this run's sharding, the checkpoint's optional keys.
+        Raises StatefulError when a stateful object cannot be restored from what the checkpoint holds."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "train": ""}
         if rng_key(rank) in keys:
             sd[rng_key(rank)] = b""
         if self.scheduler is not None and any(k.startswith("scheduler.") for k in keys):
             sd["scheduler"] = self.scheduler.state_dict()
+        sd.update(self._stateful.template(rank, world_size, keys))
         return sd
 
-    def load(self, sd: dict[str, Any], rank: int, device: torch.device, seed: int) -> None:
+    def undeclared_stateful(self, keys: set[str]) -> list[str]:
+        """Stateful objects the checkpoint holds and this run does not declare."""
+        return self._stateful.undeclared(keys)
+
+    def load(self, sd: dict[str, Any], rank: int, device: torch.device, seed: int, *,
+             world_size: int) -> list[str]:
+        """Restore everything from a loaded `template`. Returns a note per stateful object restored; raises
+        StatefulError naming an object whose own load_state_dict (or reshard hook) failed."""
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         if self.scheduler is not None and "scheduler" in sd:
             self.scheduler.load_state_dict(sd["scheduler"])
         pos = json.loads(sd["train"])
         self.step, self.samples_seen, self.tokens_seen = pos["step"], pos["samples_seen"], pos["tokens_seen"]
         self.extra = pos.get("extra", {})
-        if rng_key(rank) in sd:
-            set_rng_state(sd[rng_key(rank)], device)
-        else:  # the world grew: this rank's RNG was never saved (another rank's must not be reused)
-            log.warning("rank %d has no saved RNG state in this checkpoint: seeded from (seed %d, rank %d, step %d)",
-                        rank, seed, rank, self.step)
-            seed_rank(seed, rank, self.step, device)
+        try:
+            # Before the RNG: an object's load_state_dict may draw random numbers, which the uninterrupted
+            # run never drew; restoring the RNG afterwards keeps the resumed run on the same stream.
+            return self._stateful.load(sd, rank, world_size)
+        finally:
+            if rng_key(rank) in sd:
+                set_rng_state(sd[rng_key(rank)], device)
+            else:  # the world grew: this rank's RNG was never saved (another rank's must not be reused)
+                log.warning("rank %d has no saved RNG state in this checkpoint: seeded from (seed %d, rank %d, "
+                            "step %d)", rank, seed, rank, self.step)
+                seed_rank(seed, rank, self.step, device)

@@ -1,0 +1,177 @@
+"""The bookkeeping of train_entry.stateful, without processes: which checkpoint keys each kind of object gets,
+what a resume asks DCP for, and which sentence stops it. DCP is stood in for by copying the saved entries
+into the template; tests/test_stateful_e2e.py runs the real thing."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from train_entry.stateful import (  # noqa: E402
+    PerRank,
+    Replicated,
+    Sharded,
+    StatefulError,
+    StatefulSet,
+    pack,
+    unpack,
+)
+
+
+class Counter:
+    def __init__(self, value: Any = 0):
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "history": [self.value] * 2, "t": torch.tensor([float(self.value)])}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.value = sd["value"]
+
+
+class Reshardable(Counter):
+    def __init__(self, value: Any = 0):
+        super().__init__(value)
+        self.handed: tuple | None = None
+
+    def reshard_state_dict(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
+        self.handed = ([s["value"] for s in states], rank, world_size)
+
+
+class Refuses(Counter):
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise ValueError("no 'epoch' in the state\nsecond line of a long message")
+
+
+def save(world: int, make: Any) -> dict[str, Any]:
+    """What a checkpoint written by `world` ranks holds: each rank's entries, one copy of a shared key."""
+    saved: dict[str, Any] = {}
+    for rank in range(world):
+        saved.update(StatefulSet(make(rank)).state_dict(rank))
+    return saved
+
+
+def resume(objects: dict[str, Any], saved: dict[str, Any], rank: int, world: int) -> list[str]:
+    """Template, 'DCP' (copy the saved entries in), load: what Session.resume does on one rank."""
+    sset = StatefulSet(objects)
+    template = sset.template(rank, world, set(saved))
+    for key in template:
+        assert key in saved, f"asked DCP for {key}, which the checkpoint lacks"
+        template[key] = saved[key]
+    return sset.load(template, rank, world)
+
+
+def test_each_kind_gets_its_keys_and_per_rank_state_goes_back_to_its_own_rank():
+    saved = save(2, lambda r: {"scaler": Replicated(Counter(7)), "loader": PerRank(Counter(100 + r))})
+    assert set(saved) == {"replicated.scaler", "per_rank.loader.rank0", "per_rank.loader.rank1"}
+    assert all(isinstance(v, bytes) for v in saved.values())  # what staging and DCP carry as-is
+    for rank in (0, 1):
+        scaler, loader = Counter(), Counter()
+        notes = resume({"scaler": Replicated(scaler), "loader": PerRank(loader)}, saved, rank, 2)
+        assert (scaler.value, loader.value) == (7, 100 + rank)
+        assert notes == ["scaler (replicated)", "loader (per_rank)"]
+
+
+def test_a_bytes_leaf_round_trips_any_structure_exactly():
+    state = {"a": [1, 2.5, "x"], "gen": torch.Generator().manual_seed(3).get_state(), "nested": {"k": (1, 2)}}
+    back = unpack(pack(state))
+    assert back["a"] == [1, 2.5, "x"] and back["nested"] == {"k": (1, 2)}
+    assert torch.equal(back["gen"], state["gen"])
+    assert pack(state) == pack(unpack(pack(state)))  # deterministic: ranks compare digests of it
+
+
+def test_a_world_size_change_hands_every_rank_state_to_the_hook_in_rank_order():
+    saved = save(3, lambda r: {"loader": PerRank(Reshardable(10 * r))})
+    loader = Reshardable()
+    notes = resume({"loader": PerRank(loader)}, saved, rank=1, world=2)
+    assert loader.handed == ([0, 10, 20], 1, 2)
+    assert loader.value == 0, "load_state_dict must not also run"
+    assert notes == ["loader (per_rank, 3 ranks -> 2 by its reshard_state_dict hook)"]
+
+
+def test_a_world_size_change_without_the_hook_stops_with_one_sentence_naming_the_object():
+    saved = save(2, lambda r: {"loader": PerRank(Counter(r))})
+    with pytest.raises(StatefulError) as e:
+        resume({"loader": PerRank(Counter())}, saved, rank=0, world=1)
+    msg = str(e.value)
+    assert msg.startswith("stateful 'loader' (Counter, PerRank) holds per-rank state saved by 2 ranks and this "
+                          "run has 1")
+    assert "reshard_state_dict(states, rank, world_size)" in msg and "\n" not in msg
+
+
+def test_a_load_state_dict_that_raises_is_named_in_one_line():
+    saved = save(1, lambda r: {"ok": Replicated(Counter(1)), "bad": Replicated(Counter(2))})
+    with pytest.raises(StatefulError) as e:
+        resume({"ok": Replicated(Counter()), "bad": Replicated(Refuses())}, saved, rank=0, world=1)
+    assert str(e.value) == ("stateful 'bad' (Refuses, Replicated): its load_state_dict() raised ValueError: "
+                            "no 'epoch' in the state")
+    assert isinstance(e.value.__cause__, ValueError)  # chained: the original traceback is not lost
+
+
+@pytest.mark.parametrize("declared, saved_as, expect", [
+    (Replicated, None, "is not in this checkpoint"),
+    (PerRank, Replicated, "was saved as replicated: declare it as it was saved"),
+    (Replicated, PerRank, "was saved as per-rank"),
+])
+def test_an_object_the_checkpoint_lacks_or_saved_as_another_kind_is_never_restarted(declared, saved_as, expect):
+    saved = save(1, lambda r: {"other": Replicated(Counter())} | ({"x": saved_as(Counter(5))} if saved_as else {}))
+    with pytest.raises(StatefulError, match=expect):
+        resume({"x": declared(Counter())}, saved, rank=0, world=1)
+
+
+def test_sharded_entries_must_match_the_objects_state_dict_both_ways():
+    # Sharded state goes to DCP as is: the template is the object's own state_dict(), flattened by DCP.
+    keys = {"sharded.ema.w", "sharded.ema.b", "train"}
+
+    class Dict:
+        def __init__(self, names):
+            self.names = names
+
+        def state_dict(self):
+            return {n: torch.zeros(2) for n in self.names}
+
+        def load_state_dict(self, sd):
+            pass
+
+    template = StatefulSet({"ema": Sharded(Dict(["w", "b"]))}).template(0, 1, keys)
+    assert set(template["sharded.ema"]) == {"w", "b"}
+    lost = "the checkpoint holds 1 entries its state_dict() lacks (e.g. 'b')"
+    with pytest.raises(StatefulError, match=re.escape(lost)):
+        StatefulSet({"ema": Sharded(Dict(["w"]))}).template(0, 1, keys)
+    with pytest.raises(StatefulError, match=re.escape("its state_dict() has 1 entries the checkpoint lacks")):
+        StatefulSet({"ema": Sharded(Dict(["w", "b", "c"]))}).template(0, 1, keys)
+
+
+def test_declarations_are_checked_when_the_train_state_is_built():
+    with pytest.raises(TypeError, match="declare how its state is spread over the ranks: Replicated"):
+        StatefulSet({"scaler": Counter()})
+    with pytest.raises(ValueError, match=re.escape("stateful name 'a.b'")):
+        StatefulSet({"a.b": Replicated(Counter())})
+
+    class SaveOnly:
+        def state_dict(self):
+            return {}
+
+    with pytest.raises(TypeError, match="the object has no load_state_dict"):
+        Replicated(SaveOnly())
+
+
+def test_declared_kinds_are_checked_against_the_state_and_replicated_digests_compared():
+    not_sharded = "'ema' (Counter, Sharded) holds no DTensor: declare it Replicated"
+    with pytest.raises(StatefulError, match=re.escape(not_sharded)):
+        StatefulSet({"ema": Sharded(Counter())}).check()
+    same = [StatefulSet({"s": Replicated(Counter(1)), "p": PerRank(Counter(r))}).check() for r in (0, 1)]
+    assert set(same[0]) == {"s"}  # only replicated states are compared
+    assert StatefulSet({"s": Replicated(Counter())}).differing(same) is None
+    differ = [StatefulSet({"s": Replicated(Counter(r))}).check() for r in (0, 0, 5)]
+    msg = StatefulSet({"s": Replicated(Counter())}).differing(differ)
+    assert msg is not None and "differs between rank 0 and rank 2" in msg and "declare it PerRank" in msg
+
+
+def test_objects_in_the_checkpoint_that_the_run_no_longer_declares_are_listed():
+    saved = save(2, lambda r: {"a": Replicated(Counter()), "b": PerRank(Counter())}) | {"sharded.ema.w": 0}
+    assert StatefulSet({"a": Replicated(Counter())}).undeclared(set(saved)) == ["b", "ema"]
