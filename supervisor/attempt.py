@@ -26,13 +26,17 @@ from supervisor.config import JobConfig
 from supervisor.console import EventConsole
 from supervisor.protocol import CommitRecord, Handover, Heartbeat, LogRecord, StepLogReader, read_heartbeats
 from supervisor.state import AttemptRecord, RunRecord
-from supervisor.watch import STALL_FLOOR_BEATS, RankWatch
+from supervisor.watch import SILENT, STALL_FLOOR_BEATS, Hang, RankWatch
 
 log = logging.getLogger("resilient")
 
 POLL_S = 0.5  # heartbeats and step log; torchrun's exit wakes the loop at once
 HANG_STOP_GRACE_S = 5.0  # a hung rank cannot checkpoint: do not wait long for it
 DISK_SCAN_S = 2.0  # commits made by a rank 0 on another node show up only on disk
+# A rank exited on its own, failing, and torchrun is still running this long after: it is waiting (30 s, whatever
+# its --shutdown-timeout) for a peer that cannot act on SIGTERM (stopped, or stuck in a collective). Measured:
+# a gloo timeout with a SIGSTOPped peer, torchrun gone 30 s after the first rank failed.
+FAILED_RANK_GRACE_S = 5.0
 
 
 class AttemptHandle(Protocol):
@@ -77,6 +81,7 @@ class Attempt:
         self._group_pids: set[int] = set()
         self._world: int | None = None
         self._resume_noted = False
+        self._failed_seen_at = 0.0
 
     # ---- the lifecycle ----------------------------------------------------------------------------
 
@@ -121,6 +126,9 @@ class Attempt:
             self._update_ranks(heartbeats, watch, now)
             if rc is not None:
                 return self._ended(rc, handle, heartbeats, watch, oom_before)
+            failed = self._failed_rank(heartbeats, now)
+            if failed is not None and now - self._failed_seen_at >= FAILED_RANK_GRACE_S:
+                return self._take_over(failed, handle, heartbeats, watch, oom_before, now)
             if self.listener.stop_signal() is not None:
                 return self._stop(handle, heartbeats)
             hangs = watch.hangs(now)
@@ -130,8 +138,26 @@ class Attempt:
 
     # ---- the three endings --------------------------------------------------------------------------
 
+    def _take_over(self, failed: Heartbeat, handle: AttemptHandle, heartbeats: dict[int, Heartbeat],
+                   watch: RankWatch, oom_before: int | None, now: float) -> AttemptOutcome:
+        """A rank failed and torchrun is still waiting for a peer that does not end: capture the silent peers'
+        stacks (the hang behind the failure), stop everything, and classify as torchrun would have."""
+        self.console.event(f"attempt {self.spec.attempt}: rank {failed.rank} exited ({failed.exit_reason}) "
+                           f"{now - self._failed_seen_at:.0f}s ago and torchrun is still waiting for the others: "
+                           "stopping them", style="yellow")
+        silent = self._silent_ranks(watch, heartbeats, failed.rank)
+        stuck = [Hang(r, SILENT, age, heartbeats[r].step, heartbeats[r].phase) for age, r in silent]
+        if stuck:
+            out = self.spec.logs_dir / "hang_evidence.json"
+            doc = evidence.capture(stuck, heartbeats, rank_stderr_paths(self.spec, heartbeats), out,
+                                   run_dir=self.cfg.run_dir)
+            dumped = [r["rank"] for r in doc["ranks"] if r.get("stack_dump")]
+            self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'})")
+        handle.stop(grace_s=HANG_STOP_GRACE_S)
+        return self._ended(1, handle, heartbeats, watch, oom_before, silent)  # a worker failure, as torchrun says
+
     def _ended(self, rc: int, handle: AttemptHandle, heartbeats: dict[int, Heartbeat], watch: RankWatch,
-               oom_before: int | None) -> AttemptOutcome:
+               oom_before: int | None, silent: list[tuple[float, int]] | None = None) -> AttemptOutcome:
         """torchrun exited: classify from its summary, the ranks' last heartbeats and their logs."""
         heartbeats = read_heartbeats(self.spec.heartbeat_dir) or heartbeats
         ranklogs.link(self.spec.logs_dir, heartbeats)
@@ -142,7 +168,9 @@ class Attempt:
         outcome = classify.classify(rc, classify.tail(handle.log_path, 200_000), heartbeats, rank_logs,
                                     oom_killed=oom_before is not None and (oom_after or 0) > oom_before)
         if outcome.reason in (api.COLLECTIVE_TIMEOUT, api.NODE_LOST):
-            outcome.detail += self._silent_ranks(watch, heartbeats, outcome.failed_rank)
+            silent = self._silent_ranks(watch, heartbeats, outcome.failed_rank) if silent is None else silent
+            outcome.detail += "".join(f"; rank {r} had been silent for {age:.0f}s (it is likely the one that hung)"
+                                      for age, r in silent)
         if outcome.reason == api.CHECKPOINT_FAILED:
             outcome.detail += disk_note(self.cfg.checkpoint.dir)
         return outcome
@@ -177,6 +205,18 @@ class Attempt:
                               f"{saved.step if saved else 'none'}", None, rc, step)
 
     # ---- following the ranks --------------------------------------------------------------------------
+
+    def _failed_rank(self, heartbeats: dict[int, Heartbeat], now: float) -> Heartbeat | None:
+        """The first rank that has exited on its own, failing (not finished, not preempted); notes when it was
+        first seen so."""
+        failed = sorted((hb for hb in heartbeats.values() if hb.phase == "exited"
+                         and hb.exit_reason not in (None, "finished", "preempted")), key=lambda hb: hb.time)
+        if not failed:
+            self._failed_seen_at = 0.0
+            return None
+        if not self._failed_seen_at:
+            self._failed_seen_at = now
+        return failed[0]
 
     def _scan_for_commits(self) -> None:
         newest = store.latest_valid(self.cfg.checkpoint.dir)
@@ -232,15 +272,15 @@ class Attempt:
         if heartbeats:
             self.run_record.step = max(hb.step for hb in heartbeats.values())
 
-    def _silent_ranks(self, watch: RankWatch, heartbeats: dict[int, Heartbeat], failed: int | None) -> str:
-        """The rank that timed out is rarely the one that hung: name any rank that had stopped beating."""
+    def _silent_ranks(self, watch: RankWatch, heartbeats: dict[int, Heartbeat],
+                      failed: int | None) -> list[tuple[float, int]]:
+        """The rank that timed out is rarely the one that hung: (silence, rank) of the two longest silent."""
         limit = STALL_FLOOR_BEATS * self.cfg.heartbeat.interval_s
         ages = watch.ages(self.clock())
         silent = sorted(((age, r) for r, age in ages.items()
                          if age > limit and r != failed and heartbeats.get(r) and heartbeats[r].phase != "exited"),
                         reverse=True)
-        return "".join(f"; rank {r} had been silent for {age:.0f}s (it is likely the one that hung)"
-                       for age, r in silent[:2])
+        return silent[:2]
 
 
 def oom_kills() -> int | None:

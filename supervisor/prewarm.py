@@ -45,7 +45,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from typing import NoReturn
 
 from supervisor import prewarm_client
@@ -319,7 +318,7 @@ def _become_worker(conn: socket.socket, req: dict, fds: list[int]) -> NoReturn:
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else _print_exit(e.code))
         except BaseException:
-            traceback.print_exc()
+            sys.excepthook(*sys.exc_info())  # as an uncaught exception would: the rank's hook notes it, then prints
             code = 1
         if not launcher:  # torchrun, like a zygote's, leaves at once: its teardown has nothing left to do
             threading._shutdown()  # as at interpreter exit: wait for non-daemon threads, then atexit

@@ -28,7 +28,7 @@ STEPS, BATCH = 120, 12
 FINISH_TIMEOUT = 300
 
 
-def job_file(tmp_path: Path, port: int, *, sleep: float = 0.05) -> Path:
+def job_file(tmp_path: Path, port: int, *, sleep: float = 0.05, width: int = 64, steps: int = STEPS) -> Path:
     samples = tmp_path / "samples"
     job = tmp_path / "mn.yaml"
     job.write_text(textwrap.dedent(f"""\
@@ -36,7 +36,8 @@ def job_file(tmp_path: Path, port: int, *, sleep: float = 0.05) -> Path:
         run_dir: run
         entrypoint:
           module: train_entry
-          args: [--steps, "{STEPS}", --batch, "{BATCH}", --device, cpu, --test-sleep-per-step, "{sleep}",
+          args: [--steps, "{steps}", --batch, "{BATCH}", --n-embd, "{width}", --device, cpu,
+                 --test-sleep-per-step, "{sleep}",
                  --test-log-samples, "{samples}"]
         nnodes: "1:2"
         nproc_per_node: 1
@@ -156,9 +157,9 @@ def start(nodes: list[Node], tmp_path: Path, job: Path, name: str, *extra: str) 
     return node
 
 
-def start_pair(nodes: list[Node], tmp_path: Path, port: int, *extra_b: str,
-               sleep: float = 0.05) -> tuple[Node, Node, Path]:
-    job = job_file(tmp_path, port, sleep=sleep)
+def start_pair(nodes: list[Node], tmp_path: Path, port: int, *extra_b: str, sleep: float = 0.05,
+               width: int = 64, steps: int = STEPS) -> tuple[Node, Node, Path]:
+    job = job_file(tmp_path, port, sleep=sleep, width=width, steps=steps)
     a = start(nodes, tmp_path, job, "a")
     wait_for(lambda: a.hosts_store(port), 60, "node a's torchrun to host the store")
     b = start(nodes, tmp_path, job, "b", *extra_b)
@@ -214,7 +215,8 @@ def test_a_killed_node_rejoins_and_the_world_grows_back(tmp_path):
 def test_nodes_agree_on_the_resume_step_when_they_judge_the_newest_differently(tmp_path):
     port = free_port()
     with cluster() as nodes:
-        a, b, job = start_pair(nodes, tmp_path, port, "--set", "checkpoint.verify=checksum")
+        # Wide enough that each rank's file is past SMALL_FILE_BYTES, which every check reads in full.
+        a, b, job = start_pair(nodes, tmp_path, port, "--set", "checkpoint.verify=checksum", width=256, steps=60)
         wait_for(lambda: training_together(a, b, 30), 120, "both nodes training together")
         for n in (a, b):
             n.proc.signal(signal.SIGTERM)
@@ -234,7 +236,7 @@ def test_nodes_agree_on_the_resume_step_when_they_judge_the_newest_differently(t
     assert f"the ranks resumed from step {older.step} (agreed across nodes" in a2.proc.output()
     resumed = {n.name: n.state()["history"][-1]["resumed_from_step"] for n in (a2, b2)}
     assert resumed == {"a": older.step, "b": older.step}
-    assert os.path.exists(root / store.step_dirname(STEPS))
+    assert os.path.exists(root / store.step_dirname(60))
 
 
 def test_a_separately_started_store_outlives_a_lost_node(tmp_path):

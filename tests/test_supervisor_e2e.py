@@ -15,7 +15,7 @@ import pytest
 
 from supervisor import store
 from supervisor.protocol import CommitRecord, SaveRecord, read_step_log
-from tests.ckpt_helpers import assert_same_training_state, truncate
+from tests.ckpt_helpers import assert_same_training_state
 from tests.proc import REPO, Proc, child_env, started, wait_for
 from tests.runs import JOB, RUN_TIMEOUT, live_ranks, rank_log, resilient, run_job, state, status
 
@@ -130,7 +130,7 @@ def forked_torchrun(server: psutil.Process) -> psutil.Process:
 @pytest.mark.matrix
 def test_sigterm_to_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tmp_path):
     """On a relaunched attempt, whose torchrun is a fork of the prewarm server (attempt 1's stop is in
-    test_truncated_newest_shard_between_runs_resumes_from_the_one_before)."""
+    test_checkpoint_faults_e2e's damaged-checkpoints test)."""
     run_dir = tmp_path / "run"
     with started(run_job(run_dir, steps=200), tmp_path, log=tmp_path / "sup1.log") as sup:
         relaunch_on_a_forked_torchrun(sup, run_dir)
@@ -152,33 +152,16 @@ def test_sigterm_to_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tmp
         assert f"resuming from step {stop_step}" in sup.output()
 
 
-def test_truncated_newest_shard_between_runs_resumes_from_the_one_before(tmp_path):
+def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path):
+    """On a relaunched attempt, whose torchrun is a fork of the prewarm server (attempt 1's, a zygote, is
+    killed with its supervisor in test_checkpoint_faults_e2e, mid-save)."""
     run_dir = tmp_path / "run"
-    with started(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup1.log") as sup:
-        wait_for(lambda: live_ranks(run_dir, min_step=45), 90, "step 45")
-        sup.signal(signal.SIGTERM)
-        assert sup.wait(60) == 143
-    newest = store.latest_valid(run_dir / "checkpoints")
-    older = store.latest_valid(run_dir / "checkpoints", below=newest.step)
-    truncate(newest.path / "__1_0.distcp", by=1000)
-    with started(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup2.log") as sup:
-        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
-        console = sup.output()
-    assert f"skipping {newest.path.name}: corrupt: __1_0.distcp is" in console and "(truncated)" in console
-    assert f"resuming from step {older.step}" in console
-    attempt = status(run_dir)["history"][-1]
-    assert attempt["resumed_from_step"] == older.step
-    assert any("truncated" in s for s in attempt["skipped"])
-
-
-@pytest.mark.parametrize("attempt", [1, 2], ids=["torchrun-from-zygote", "torchrun-forked-by-prewarm"])
-def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path, attempt):
-    run_dir = tmp_path / "run"
+    attempt = 2
     sup = Proc(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup1.log")
     try:
-        torchrun = relaunch_on_a_forked_torchrun(sup, run_dir) if attempt == 2 else None
+        torchrun = relaunch_on_a_forked_torchrun(sup, run_dir)
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=10), 90, "training")
-        workers = [psutil.Process(r["pid"]) for r in ranks] + ([torchrun] if torchrun else [])
+        workers = [psutil.Process(r["pid"]) for r in ranks] + [torchrun]
         os.kill(sup.pid, signal.SIGKILL)
         _gone, alive = psutil.wait_procs(workers, timeout=10)
         assert alive == [], f"workers alive 10 s after kill -9 of the supervisor: {alive}"

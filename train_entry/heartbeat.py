@@ -71,7 +71,7 @@ class Beater:
         previous_hook = sys.excepthook
 
         def excepthook(kind: type[BaseException], value: BaseException, tb: object) -> None:
-            self.update(exit_reason=f"{kind.__name__}: {value}"[:500])
+            self.update(exit_code=1, exit_reason=f"{kind.__name__}: {value}"[:500])  # what Python exits with
             previous_hook(kind, value, tb)  # type: ignore[arg-type]
 
         sys.excepthook = excepthook
