@@ -31,6 +31,10 @@ from supervisor.zygote import enabled as zygote_enabled
 
 log = logging.getLogger("resilient")
 
+# The first launch waits this long at most for the prewarm server's imports (about 2.5 s here) before starting
+# torchrun and its workers cold: a ready server makes both forks, which skip those imports.
+FIRST_LAUNCH_WAIT_S = 30.0
+
 
 def torchrun_argv(cfg: JobConfig, spec: AttemptSpec, *, python: str = sys.executable,
                   max_restarts: int = 0, prewarmed: bool = False) -> list[str]:
@@ -191,23 +195,23 @@ class TorchrunProcess:
 
 
 class TorchrunLauncher:
-    """Launches each attempt's torchrun: once the prewarm server is ready, torchrun and its workers are forks
-    of it; the first attempt's torchrun comes from a zygote started with the supervisor, and a zygote is kept
-    for relaunches only when prewarming is off."""
+    """Launches each attempt's torchrun as a fork of the prewarm server, and its workers too: the server is
+    started with the first launch (it needs the workers' environment) and that launch waits for its imports,
+    which is what the workers would have spent themselves. With prewarming off (or the server unavailable)
+    torchrun comes from a zygote started with the supervisor, or is started cold."""
 
     def __init__(self) -> None:
         self._zygote: Zygote | None = None
         self._prewarm: prewarm.PrewarmServer | None = None
         self._worker_env: dict[str, str] | None = None
+        self._launched = False
         self.spare()
 
     def spare(self) -> None:
-        """Get the next relaunch ready: the prewarm server if it is not running, and a zygote only when there is
+        """Get the next launch ready: the prewarm server if it is not running, and a zygote only when there is
         no server. A zygote importing beside the server took CPU from both it and the training ranks: on 2
         cores the server was still importing 4 s after the first step, and a failure then relaunched cold
-        (median 4.4 s to the next step); without the zygote the server was ready and it took 1.2-2.3 s.
-        The supervisor calls this once an attempt trains: started at launch, their imports would compete
-        with the new workers' own imports for the CPU."""
+        (median 4.4 s to the next step); without the zygote the server was ready and it took 1.2-2.3 s."""
         if prewarm.enabled() and self._worker_env is not None and (self._prewarm is None or
                                                                   not self._prewarm.alive()):
             if self._prewarm is not None:
@@ -217,15 +221,25 @@ class TorchrunLauncher:
         if server_up and self._zygote is not None:
             self._zygote.discard()
             self._zygote = None
-        elif zygote_enabled() and self._zygote is None and not server_up:
+        elif zygote_enabled() and self._zygote is None and not server_up and not prewarm.enabled():
             self._zygote = Zygote(preexec_fn=_die_with_parent)
+
+    def prepare(self, cfg: JobConfig) -> None:
+        """Start the prewarm server now, under the environment the workers will get, so its imports overlap
+        whatever the supervisor does before the first launch (checking checkpoints, reaping leftovers)."""
+        if self._worker_env is None:
+            handover_keys = Handover().to_env()
+            self._worker_env = {k: v for k, v in worker_env(cfg, Handover()).items() if k not in handover_keys}
+            self.spare()
 
     def __call__(self, cfg: JobConfig, spec: AttemptSpec, handover: Handover) -> TorchrunProcess:
         env = worker_env(cfg, handover)
-        if self._worker_env is None:  # the server imports torch under the environment the workers get
-            self._worker_env = {k: v for k, v in env.items() if k not in handover.to_env()}
+        first = not self._launched
+        self._launched = True
+        self.prepare(cfg)
         log_path = spec.logs_dir / "torchrun.log"
-        server = self._prewarm if self._prewarm is not None and self._prewarm.ready() else None
+        ready = self._prewarm is not None and self._prewarm.ready(FIRST_LAUNCH_WAIT_S if first else 0.0)
+        server = self._prewarm if ready else None
         argv = torchrun_argv(cfg, spec, prewarmed=server is not None)
         if server is not None:
             env[prewarm.ENV_SOCKET] = server.socket

@@ -88,11 +88,12 @@ class PrewarmServer:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def ready(self) -> bool:
-        """Imported and accepting (it says so on stdout): only then are workers routed through it."""
+    def ready(self, wait_s: float = 0.0) -> bool:
+        """Imported and accepting (it says so on stdout): only then are workers routed through it. Waits up to
+        `wait_s` for that."""
         if not self._ready and self.alive():
             assert self.popen.stdout is not None
-            readable, _, _ = select.select([self.popen.stdout], [], [], 0)
+            readable, _, _ = select.select([self.popen.stdout], [], [], wait_s)
             self._ready = bool(readable) and self.popen.stdout.readline() == b"ready\n"
         return self._ready and self.alive()
 

@@ -89,6 +89,9 @@ class Supervisor:
     # ---- the loop ---------------------------------------------------------------------------------
 
     def run(self) -> int:
+        prepare = getattr(self.launcher, "prepare", None)
+        if prepare is not None:  # the launcher's helpers start importing while we check checkpoints
+            prepare(self.cfg)
         self.layout.node_dir.mkdir(parents=True, exist_ok=True)
         job = self.cfg.to_dict(relative_to=self.cfg.run_dir)
         atomic_write_json(self.layout.job_file, {"schema_version": 1, "job": job}, durable=False)

@@ -5,9 +5,9 @@ own in-place restart does not pay that, so neither should ours. The supervisor k
 process (its own session, parent-death signal) that has imported torchrun and blocks reading one JSON line —
 the attempt's arguments, environment, folder and log file. It then becomes that attempt's torchrun: it
 applies the environment, points stdout/stderr at the log, runs torchrun's `main`, and leaves with `os._exit`
-(torch's interpreter teardown is slow and has nothing left to do). The first attempt's torchrun is one;
-later attempts' torchruns are forks of the prewarm server (supervisor/prewarm.py), and a new zygote is
-started, once an attempt trains, only when there is no server to fork from.
+(torch's interpreter teardown is slow and has nothing left to do). Every attempt's torchrun is a fork of the
+prewarm server (supervisor/prewarm.py) when prewarming is on; a zygote is kept only when it is off
+(`RESILIENT_PREWARM=0`), or a server could not be had.
 
 Workers are unaffected: torchrun starts them as fresh processes with the environment it was handed.
 `RESILIENT_ZYGOTE=0` turns this off (each attempt then runs `python -m supervisor.torchrun`).

@@ -111,8 +111,10 @@ def prewarm_server(sup_pid: int) -> psutil.Process | None:
 
 
 def relaunch_on_a_forked_torchrun(sup: Proc, run_dir: Path) -> psutil.Process:
-    """Kill a rank once the prewarm server is ready; return attempt 2's torchrun, a fork of that server."""
-    wait_for(lambda: live_ranks(run_dir, min_step=5), 90, "training")
+    """Kill a rank once the prewarm server is ready and a checkpoint committed; return attempt 2's torchrun, a
+    fork of that server."""
+    wait_for(lambda: live_ranks(run_dir, min_step=5) and store.latest_valid(run_dir / "checkpoints"), 90,
+             "training past the first checkpoint")
     server = wait_for(lambda: prewarm_server(sup.pid), 90, "the prewarm server")
     os.kill(live_ranks(run_dir)[1]["pid"], signal.SIGKILL)
     wait_for(lambda: state(run_dir).get("attempt") == 2 and live_ranks(run_dir), 90, "attempt 2 training")

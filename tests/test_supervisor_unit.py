@@ -277,7 +277,7 @@ class ReadyServer:
     def __init__(self):
         self.launched: list[list[str]] = []
 
-    def ready(self):
+    def ready(self, wait_s=0.0):
         return True
 
     def alive(self):
