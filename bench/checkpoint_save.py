@@ -1,7 +1,7 @@
 """Checkpoint saves and loads through the project's own `Checkpointer`, each beside its hardware floor.
 
     python bench/checkpoint_save.py                       # CPU: 1 GB of state over 2 gloo ranks
-    python bench/checkpoint_save.py --device cuda --nproc 1 --gb 2   # one GPU (NCCL), pinned staging
+    python bench/checkpoint_save.py --device cuda --ranks 1 --gb 2   # one GPU (NCCL), pinned staging
 
 One torchrun job that this script launches itself. Each rank builds an FSDP2 GPT (`train_entry.model`) whose
 fp32 parameters + AdamW moments come to `--gb` GB over all ranks, takes a step, then measures, all on the
@@ -186,8 +186,8 @@ def worker(args: argparse.Namespace) -> None:
             evict(files)
         barrier()
         t0 = time.monotonic()
-        sd = ckpt.load(step_dir(state.step), lambda keys: state.template(rank, keys))
-        state.load(sd, rank, ctx.device, 0)
+        sd = ckpt.load(step_dir(state.step), lambda keys: state.template(rank, keys, world_size=ctx.world_size))
+        state.load(sd, rank, ctx.device, 0, world_size=ctx.world_size)
         sync_device()
         barrier()
         loads.append(time.monotonic() - t0)
@@ -195,12 +195,11 @@ def worker(args: argparse.Namespace) -> None:
             evict(files)
         barrier()
         t0 = time.monotonic()
-        plain_read([f for f in files if f.name == my_file] if args.nproc > 1 else files)
+        plain_read([f for f in files if f.name == my_file] if args.ranks > 1 else files)
         barrier()
         reads.append(time.monotonic() - t0)
 
     # ---- async saves: training goes on until each commits
-    reset_peak()
     rss_before = _status_mb("VmRSS")
     asyncs = []
     for _ in range(args.saves):
@@ -220,7 +219,7 @@ def worker(args: argparse.Namespace) -> None:
             "copy_floor_s": copies, "sync_s": syncs, "raw_write_s": raws, "load_s": loads, "plain_read_s": reads,
             "asyncs": asyncs, "steady_steps_s": steady, "arena_bytes": ckpt._stager.nbytes,
             "arena_allocations": ckpt._stager.allocations,
-            "async_rss_increase_mb": _status_mb("VmHWM") - rss_before}
+            "async_rss_increase_mb": _status_mb("VmRSS") - rss_before}
     everyone: list[Any] | None = [None] * ctx.world_size if rank == 0 else None
     dist.gather_object(mine, everyone, dst=0, group=group)
     if rank == 0:
@@ -266,7 +265,7 @@ def summarise(ranks: list[dict[str, Any]], wall_s: float, args: argparse.Namespa
         "load_s": med(load_s), "plain_read_s": med(read_s), "load_vs_plain_read": med(read_s) / med(load_s),
         "arena_bytes": [r["arena_bytes"] for r in ranks], "arena_allocations": [r["arena_allocations"] for r in ranks],
         "shard_bytes": [r["shard_bytes"] for r in ranks],
-        "async_rss_increase_mb": [round(r["async_rss_increase_mb"]) for r in ranks],
+        "async_rss_increase_mb": [round(r["async_rss_increase_mb"]) for r in ranks],  # after the saves, at rest
         "raw": {"copy_floor_s": copy_s, "sync_s": sync_s, "raw_write_s": raw_s, "load_s": load_s,
                 "plain_read_s": read_s, "async_blocking_s": blocking, "async_to_commit_s": commit},
     }
@@ -276,7 +275,7 @@ def report(o: dict[str, Any], args: argparse.Namespace) -> None:
     gb = o["checkpoint_bytes"] / 1e9
     c = o["config"]
     print(f"\n### Checkpoints: {o['params'] / 1e6:.1f}M params (GPT {c['n_layer']}×{c['n_embd']}), checkpoint "
-          f"{gb:.2f} GB, {args.nproc} rank(s) on {args.device}\n")
+          f"{gb:.2f} GB, {args.ranks} rank(s) on {args.device}\n")
     print("| measure | ours | floor (same bytes, same run) | ratio | goal |")
     print("|---|---:|---:|---:|---|")
     print(f"| async save, training blocked: first (allocates) / later | {o['async_blocking_first_s']:.3f} / "
@@ -297,14 +296,14 @@ def report(o: dict[str, Any], args: argparse.Namespace) -> None:
     shard = ", ".join(f"{s / 1e6:.0f}" for s in o["shard_bytes"])
     print(f"| host memory: staging arena per rank (allocations) | {arena} MB ({o['arena_allocations']}) | "
           f"shard {shard} MB | | one copy |")
-    print(f"| host memory: RSS peak during async saves over before, per rank | "
+    print(f"| host memory: RSS after the async saves over before them, per rank | "
           f"{', '.join(str(m) for m in o['async_rss_increase_mb'])} MB | | | |")
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="resilient-bench-ckpt-", dir=args.tmp))
     result = tmp / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
            "--max-restarts", "0", str(Path(__file__).resolve()), *argv, "--worker", "--root", str(tmp),
            "--result", str(result)]
     t0 = time.monotonic()
@@ -341,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--saves", type=int, default=4, help="sync saves, loads and async saves to time")
     p.add_argument("--steps", type=int, default=5, help="steady training steps timed before and after")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank per training step")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (one per GPU with --device cuda)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks (one per GPU with --device cuda)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before the job is stopped")
     p.add_argument("--collective-timeout-s", type=float, default=300)
     p.add_argument("--tmp", default=None, help="parent of the temp checkpoint folder (default: the system's)")

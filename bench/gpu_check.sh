@@ -30,7 +30,7 @@ python3 bench/gpu_small.py --out "$out/bf16" --entry-args "--precision bf16 --em
 bf16=${PIPESTATUS[0]}
 python3 -c "import json, sys; f, b = (json.load(open(p))['step_s_median'] for p in sys.argv[1:]); print(f'step time: fp32 {f} s, bf16 {b} s' + (f' ({f / b:.2f}x)' if f and b else ''))" \
   "$out/gpu_small.json" "$out/bf16/gpu_small.json" || true
-python3 bench/checkpoint_save.py --device cuda --nproc 1 --gb 2 --out "$out/checkpoint_save.json" 2>&1 \
+python3 bench/checkpoint_save.py --device cuda --ranks 1 --gb 2 --out "$out/checkpoint_save.json" 2>&1 \
     | tee "$out/checkpoint_save.txt"
 saves=${PIPESTATUS[0]}
 echo "gpu tests: exit $tests; GPT-2-small job: exit $small; in bf16: exit $bf16; checkpoint bench: exit $saves"

@@ -80,7 +80,7 @@ def test_an_async_save_is_the_state_at_the_call_checksummed_as_written_and_loads
     ckpt.wait()
     info = store.inspect(tmp_path / store.step_dirname(10), deep=True)  # every digest was computed while writing
     assert info.valid, info.reason
-    assert sorted(f.name for f in info.manifest.files) == [".metadata", "__0_0.distcp"]
+    assert sorted(f.name for f in info.manifest.files) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
     template = state(ctx)
     for t in (template["model"]["w"].to_local(), template["ids"], template["optim"]["state"]["w"]["exp_avg"]):
         t.zero_()

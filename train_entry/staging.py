@@ -3,8 +3,9 @@
 Every tensor is copied into one host arena, a single uint8 buffer allocated once (pinned on CUDA, so
 device-to-host copies run at the link's speed and asynchronously) and reused by every later save while the
 state keeps its layout (the same tensors, shapes and dtypes under the same keys); a changed layout
-reallocates it. Each tensor has its own 64-byte-aligned slot, so the persist can write the arena's bytes as
-one region (train_entry/storage.py). All device-to-host copies are issued together and synchronized once.
+reallocates it. Each tensor has its own 64-byte-aligned slot, the sharded ones (DTensor shards) first, from a
+page-aligned start: the persist writes them as one region, straight from the arena to the disk with O_DIRECT
+(train_entry/storage.py). All device-to-host copies are issued together and synchronized once.
 Host memory therefore holds one staging copy of the rank's shard for the life of the run, never more.
 
 DTensors are staged as DTensors over the same mesh and placements whose local shard is the host slot, which
@@ -23,8 +24,9 @@ import torch
 from supervisor.torchcompat import dtensor_like
 
 Path = tuple[Any, ...]  # where a tensor sits in the state dict: keys and list indices
-Layout = list[tuple[Path, torch.Size, torch.dtype]]
+Layout = list[tuple[Path, torch.Size, torch.dtype, bool]]  # ..., is it a DTensor's shard
 ALIGN = 64
+PAGE = 4096
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +53,7 @@ def _layout(sd: dict[str, Any]) -> Layout:
 
     def visit(path: Path, t: torch.Tensor) -> None:
         local = _local(t)
-        found.append((path, local.shape, local.dtype))
+        found.append((path, local.shape, local.dtype, local is not t))
 
     _walk(sd, (), visit)
     return found
@@ -73,15 +75,19 @@ class HostStager:
 
     def _allocate(self, layout: Layout) -> None:
         self._slots, self.arena = {}, None  # drop the old arena before taking a new one: never two at once
-        offsets, end = [], 0
-        for _, shape, dtype in layout:
-            offsets.append(end)
+        offsets: dict[Path, int] = {}
+        end = 0
+        for sharded in (True, False):  # the shards first: one page-aligned region for the persist to write
+            for path, shape, dtype, is_shard in layout:
+                if is_shard == sharded:
+                    offsets[path] = end
+                    end += (shape.numel() * dtype.itemsize + ALIGN - 1) // ALIGN * ALIGN
+            if sharded:
+                end = (end + PAGE - 1) // PAGE * PAGE
+        arena = _page_aligned_empty(max(end, PAGE), self.pin_memory)
+        for path, shape, dtype, _ in layout:
             nbytes = shape.numel() * dtype.itemsize
-            end += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        arena = torch.empty(max(end, ALIGN), dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
-        for (path, shape, dtype), offset in zip(layout, offsets, strict=True):
-            nbytes = shape.numel() * dtype.itemsize
-            self._slots[path] = arena[offset:offset + nbytes].view(dtype).view(shape)
+            self._slots[path] = arena[offsets[path]:offsets[path] + nbytes].view(dtype).view(shape)
         self.arena, self._layout = arena, layout
         self.allocations += 1
 
@@ -103,3 +109,14 @@ class HostStager:
         if device_copies and torch.cuda.is_available():
             torch.cuda.synchronize()  # once, after every copy was issued
         return staged
+
+
+def _page_aligned_empty(nbytes: int, pin_memory: bool) -> torch.Tensor:
+    """A uint8 host buffer of `nbytes` (a multiple of PAGE) that starts on a page boundary, as O_DIRECT needs.
+    An anonymous mapping is page-aligned by construction; a pinned allocation usually is (checked: if not,
+    the persist writes through the page cache instead)."""
+    if pin_memory:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    import mmap
+
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # its storage holds the mapping
