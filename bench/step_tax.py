@@ -3,11 +3,12 @@ trainer, on the goodput benchmark's model, in one run.
 
     python bench/step_tax.py [--steps 1000] [--trials 3]
 
-Two ways to train the same tiny GPT (2 CPU ranks, gloo, FSDP2, same data, optimizer and LR schedule), run
-in turns (A B A B ...: this VM drifts by 10-35 % within minutes), each for --steps steps with no checkpoint:
+Three ways to train the same tiny GPT (2 CPU ranks, gloo, FSDP2, same data, optimizer and LR schedule), run
+in turns (A B C C B A ...: this VM drifts by 10-35 % within minutes), each for --steps steps, no checkpoint:
     bare       bench/goodput/baseline_train.py under plain torchrun (no heartbeats, no agreement, no hooks)
-    resilient  `resilient run` of `-m train_entry` (heartbeats, the ranks' agreement, the step log,
-               prewarm server started after the first step, the supervisor watching)
+    entry      `-m train_entry` under plain torchrun, beating and logging steps as under the supervisor
+    resilient  `resilient run` of `-m train_entry` (heartbeats, the ranks' agreement, the step log, ranks
+               forked from the prewarm server, the supervisor watching)
 Both log every completed step from rank 0 in the same format; the step time of a trial is its steady mean:
 (t of its last step - t of step 100) / (steps - 100), so the start-up and the first steps are left out, and
 pauses (garbage collection, the heartbeat thread) are counted. The tax is resilient's mean over bare's,
@@ -40,10 +41,10 @@ def env() -> dict[str, str]:
     return {k: v for k, v in e.items() if not k.startswith("RESILIENT_")}
 
 
-def run(argv: list[str], cwd: Path, timeout: float) -> None:
+def run(argv: list[str], cwd: Path, timeout: float, extra_env: dict[str, str] | None = None) -> None:
     with open(cwd / "out.log", "wb") as log:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=cwd, env={**env(), **(extra_env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         finally:
@@ -76,6 +77,17 @@ def bare(folder: Path, steps: int) -> tuple[float, float]:
     return steady_mean(log, steps)
 
 
+def entry(folder: Path, steps: int) -> tuple[float, float]:
+    """train_entry under plain torchrun, beating and logging steps as under the supervisor, with no supervisor,
+    no prewarm server and no forks: what the entry point costs apart from the supervision around it."""
+    log = folder / "steps.jsonl"
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+         "train_entry", "--steps", str(steps), "--device", "cpu", "--ckpt-interval", "1000000000",
+         "--ckpt-dir", str(folder / "ckpt")], folder, timeout=steps * 0.5 + 120,
+        extra_env={"RESILIENT_STEP_LOG": str(log), "RESILIENT_HEARTBEAT_DIR": str(folder / "hb")})
+    return steady_mean(log, steps)
+
+
 def resilient(folder: Path, steps: int) -> tuple[float, float]:
     run_dir = folder / "run"
     run([sys.executable, "-m", "supervisor", "run", str(REPO / "jobs" / "tiny-cpu.yaml"), "--run-dir", str(run_dir),
@@ -90,10 +102,11 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "step_tax.json")
     args = p.parse_args()
-    rows: dict[str, list[tuple[float, float]]] = {"bare": [], "resilient": []}
+    rows: dict[str, list[tuple[float, float]]] = {"bare": [], "entry": [], "resilient": []}
+    systems = (("bare", bare), ("entry", entry), ("resilient", resilient))
     with tempfile.TemporaryDirectory(prefix="resilient-step-tax-") as tmp:
         for trial in range(args.trials):
-            for name, fn in (("bare", bare), ("resilient", resilient))[:: 1 if trial % 2 == 0 else -1]:
+            for name, fn in systems[:: 1 if trial % 2 == 0 else -1]:
                 folder = Path(tmp) / f"{name}-{trial}"
                 folder.mkdir()
                 t0 = time.monotonic()
@@ -102,12 +115,15 @@ def main() -> int:
                 print(f"trial {trial} {name:9s} steady mean {mean * 1e3:.2f} ms/step, median {med * 1e3:.2f} ms "
                       f"({time.monotonic() - t0:.0f}s)", flush=True)
     means = {k: statistics.mean(m for m, _ in v) for k, v in rows.items()}
-    pairs = [r / b - 1 for (b, _), (r, _) in zip(rows["bare"], rows["resilient"], strict=True)]
-    out = {"steps": args.steps, "trials": rows, "mean_step_s": means,
-           "tax_ms": (means["resilient"] - means["bare"]) * 1e3, "tax": means["resilient"] / means["bare"] - 1,
-           "tax_per_trial": pairs}
-    print(f"\nbare {means['bare'] * 1e3:.2f} ms/step, resilient {means['resilient'] * 1e3:.2f} ms/step: tax "
-          f"{out['tax_ms']:+.2f} ms ({out['tax']:+.1%}); per trial {', '.join(f'{x:+.1%}' for x in pairs)}")
+    out: dict = {"steps": args.steps, "trials": rows, "mean_step_s": means}
+    print()
+    for name in ("entry", "resilient"):
+        pairs = [r / b - 1 for (b, _), (r, _) in zip(rows["bare"], rows[name], strict=True)]
+        out[name] = {"tax_ms": (means[name] - means["bare"]) * 1e3, "tax": means[name] / means["bare"] - 1,
+                     "tax_per_trial": pairs}
+        print(f"{name}: {means[name] * 1e3:.2f} ms/step against bare {means['bare'] * 1e3:.2f}: tax "
+              f"{out[name]['tax_ms']:+.2f} ms ({out[name]['tax']:+.1%}); per trial "
+              f"{', '.join(f'{x:+.1%}' for x in pairs)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0

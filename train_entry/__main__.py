@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--sync-every", type=int, default=0,
-                   help="steps between the ranks' agreements on stop/loss/interval; 0: about every 0.25 s")
+                   help="steps between the ranks' agreements on stop/loss/interval; 0: about every second")
     # Plain-torchrun settings; under `resilient run` the supervisor's handover wins.
     p.add_argument("--ckpt-dir", default="checkpoints")
     p.add_argument("--ckpt-interval", type=int, default=50)

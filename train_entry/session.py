@@ -50,7 +50,7 @@ log = logging.getLogger("train_entry")
 
 DEFAULT_INTERVAL = 50
 SYNC_WARMUP_STEPS = 10  # agree every step at first, to measure the step time
-SYNC_TARGET_S = 0.25  # then about this much training per agreement
+SYNC_TARGET_S = 1.0  # then about this much training per agreement (a stop waits at most this long)
 SYNC_MAX_STEPS = 50
 DEFAULT_GRACE_S = 25.0  # torchrun's shutdown timeout is 30 s: leave room to exit
 GRACE_MARGIN_S = 2.0
@@ -317,7 +317,7 @@ class Session:
         commits without every rank). Every `sync_every` steps, all ranks agree in one small all-reduce on
         the mean loss since the last agreement (weighted), on whether to stop (a signal reached any rank)
         and on the supervisor's checkpoint interval. `sync_every` is chosen after ten warm-up steps so that
-        an agreement covers about SYNC_TARGET_S of training: 1 for steps of half a second or more, more for
+        an agreement covers about SYNC_TARGET_S of training: 1 for steps of a second or more, more for
         tiny steps, where one all-reduce costs a few percent of a step (bench: ~1.6 ms on 2 busy cores).
 
         Returns the mean loss over all ranks of the last agreed window.
