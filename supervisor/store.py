@@ -318,33 +318,7 @@ class PartialCheckpoint:
                 is published then.
         """
         assert self._lock_fd is not None, "commit after close"
-        names = {r.name for r in records}
-        if len(names) != len(records) or MARKER in names or WRITER_LOCK in names:
-            raise RuntimeError("file records are duplicated or name reserved files")
-        present = {e.name: e.stat().st_size for e in os.scandir(self.path) if e.name != WRITER_LOCK}
-        for r in records:
-            if present.get(r.name) != r.size:
-                raise RuntimeError(f"{r.name}: on disk {present.get(r.name)} bytes, record says {r.size}")
-        if unlisted := sorted(set(present) - names):
-            raise RuntimeError(f"unlisted files in the save folder: {', '.join(unlisted)}")
-        manifest = Manifest(step=self.step, world_size=world_size, created_at=time.time(),
-                            files=tuple(sorted(records, key=lambda r: r.name)),
-                            checksum_algorithm=algorithm, writer=writer_versions(), extra=extra or {})
-        os.unlink(self.path / WRITER_LOCK)
-        fsync_dir(self.path)  # the data files' entries, before the marker that vouches for them
-        atomic_write_bytes(self.path / MARKER, manifest.to_json(), durable=True)
-        final = self.root / step_dirname(self.step)
-        if final.exists():
-            # An older attempt's folder for the same step (invalid, or superseded after a rollback):
-            # move it aside first so the rename below is atomic, then drop it.
-            trash = self.root / f"{TRASH_PREFIX}{final.name}.{time.time_ns()}"
-            os.rename(final, trash)
-            os.rename(self.path, final)
-            fsync_dir(self.root)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(self.path, final)
-            fsync_dir(self.root)
+        final = publish(self.path, self.step, world_size, records, extra, algorithm)
         self.path = final
         self.close()
         return final
@@ -353,6 +327,52 @@ class PartialCheckpoint:
         """Remove the partial folder (the save failed and will not be committed)."""
         shutil.rmtree(self.path, ignore_errors=True)
         self.close()
+
+
+RESERVED = frozenset({WRITER_LOCK, ".commit.lock", ".parts"})  # bookkeeping in a partial folder, never data
+
+
+def publish(partial: Path, step: int, world_size: int, records: Sequence[FileRecord],
+            extra: dict[str, Any] | None = None, algorithm: str = CHECKSUM_ALGORITHM) -> Path:
+    """Write the marker last and rename `partial` to `step_<N>` beside it; returns the committed folder.
+
+    The folder must hold exactly the recorded files at their sizes (its bookkeeping entries, RESERVED, are
+    removed first); otherwise RuntimeError and nothing is published.
+    """
+    names = {r.name for r in records}
+    if len(names) != len(records) or MARKER in names or names & RESERVED:
+        raise RuntimeError("file records are duplicated or name reserved files")
+    present = {e.name: e.stat().st_size for e in os.scandir(partial) if e.name not in RESERVED}
+    for r in records:
+        if present.get(r.name) != r.size:
+            raise RuntimeError(f"{r.name}: on disk {present.get(r.name)} bytes, record says {r.size}")
+    if unlisted := sorted(set(present) - names):
+        raise RuntimeError(f"unlisted files in the save folder: {', '.join(unlisted)}")
+    manifest = Manifest(step=step, world_size=world_size, created_at=time.time(),
+                        files=tuple(sorted(records, key=lambda r: r.name)),
+                        checksum_algorithm=algorithm, writer=writer_versions(), extra=extra or {})
+    for name in RESERVED:
+        entry = partial / name
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        elif entry.exists():
+            os.unlink(entry)
+    fsync_dir(partial)  # the data files' entries, before the marker that vouches for them
+    atomic_write_bytes(partial / MARKER, manifest.to_json(), durable=True)
+    root = partial.parent
+    final = root / step_dirname(step)
+    if final.exists():
+        # An older attempt's folder for the same step (invalid, or superseded after a rollback):
+        # move it aside first so the rename below is atomic, then drop it.
+        trash = root / f"{TRASH_PREFIX}{final.name}.{time.time_ns()}"
+        os.rename(final, trash)
+        os.rename(partial, final)
+        fsync_dir(root)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(partial, final)
+        fsync_dir(root)
+    return final
 
 
 def begin(root: str | os.PathLike, step: int) -> PartialCheckpoint:
