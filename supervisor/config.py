@@ -78,10 +78,22 @@ class CheckpointConfig:
     """Lower bound for "auto"."""
     max_interval_steps: int = 10_000
     """Upper bound for "auto"."""
+    local_dir: Path | None = None
+    """Node-local fast tier (NVMe, /dev/shm); may contain {node}. Ranks save there; each node's supervisor
+    replicates to `dir`, the durable tier. None: one tier, `dir`."""
+    keep_local: int = 2
+    """Retention in the local tier (a checkpoint not yet replicated is kept regardless; see durable_outage_s)."""
+    durable_outage_s: float = 3600.0
+    """After the durable tier has failed this long, local checkpoints not yet replicated may be deleted to make
+    room (status says so loudly)."""
 
     @property
     def auto(self) -> bool:
         return self.interval_steps is None
+
+    def local_root(self, node: str) -> Path | None:
+        """This node's local tier, `{node}` filled in."""
+        return None if self.local_dir is None else Path(str(self.local_dir).replace("{node}", node))
 
 
 @dataclass(frozen=True)
@@ -422,6 +434,9 @@ SCHEMA: dict[str, Any] = {
         "expected_mtbf_s": _optional(_duration()),
         "min_interval_steps": _int(1),
         "max_interval_steps": _int(1),
+        "local_dir": _optional(_path),
+        "keep_local": _int(1),
+        "durable_outage_s": _duration(),
     },
     "restart": {
         "max_restarts": _int(0),
@@ -600,8 +615,13 @@ def build_job(root: _Loc, path: Path) -> JobConfig:
     run_dir = resolve(values.get("run_dir") or f"runs/{name}")
     ck = values.get("checkpoint", {})
     ck_dir = resolve(ck["dir"]) if ck.get("dir") else run_dir / "checkpoints"
-    ck_fields = {k: v for k, v in ck.items() if k not in ("dir", "async")}
-    checkpoint = CheckpointConfig(dir=ck_dir, async_save=ck.get("async", True), **ck_fields)
+    local_dir = resolve(ck["local_dir"]) if ck.get("local_dir") else None
+    ck_fields = {k: v for k, v in ck.items() if k not in ("dir", "async", "local_dir")}
+    checkpoint = CheckpointConfig(dir=ck_dir, async_save=ck.get("async", True), local_dir=local_dir, **ck_fields)
+    if local_dir is not None and (local_dir == ck_dir or ck_dir in local_dir.parents or local_dir in ck_dir.parents):
+        where = _where(root, "checkpoint.local_dir")
+        raise ConfigError(f"{where}: checkpoint.local_dir must be apart from checkpoint.dir ({ck_dir}): the local "
+                          "tier is copied into the durable one.")
     if checkpoint.min_interval_steps > checkpoint.max_interval_steps:
         where = _where(root, "checkpoint.min_interval_steps")
         raise ConfigError(f"{where}: checkpoint.min_interval_steps exceeds checkpoint.max_interval_steps.")

@@ -31,7 +31,9 @@ EXIT_CONFIG = 78  # bad arguments or environment: retrying cannot help (EX_CONFI
 ENV_RUN_DIR = "RESILIENT_RUN_DIR"
 ENV_NODE = "RESILIENT_NODE"
 ENV_ATTEMPT = "RESILIENT_ATTEMPT"
-ENV_CKPT_DIR = "RESILIENT_CKPT_DIR"
+ENV_CKPT_DIR = "RESILIENT_CKPT_DIR"  # the durable tier
+ENV_CKPT_LOCAL_DIR = "RESILIENT_CKPT_LOCAL_DIR"  # this node's local tier (checkpoint.local_dir), if any
+ENV_LOCAL_RESUME_STEP = "RESILIENT_LOCAL_RESUME_STEP"  # the newest valid checkpoint in it
 ENV_CKPT_INTERVAL = "RESILIENT_CKPT_INTERVAL"  # steps, or "auto"
 ENV_CKPT_ASYNC = "RESILIENT_CKPT_ASYNC"  # 1 or 0
 ENV_RESUME_STEP = "RESILIENT_RESUME_STEP"  # empty: start fresh
@@ -56,6 +58,8 @@ class Handover:
     node: str | None = None
     attempt: int = 0
     ckpt_dir: str | None = None
+    ckpt_local_dir: str | None = None
+    local_resume_step: int | None = None
     ckpt_interval: int | None = None  # None: auto
     ckpt_async: bool | None = None
     resume_step: int | None = None
@@ -76,7 +80,8 @@ class Handover:
     def to_env(self) -> dict[str, str]:
         pairs = {
             ENV_RUN_DIR: self.run_dir, ENV_NODE: self.node, ENV_ATTEMPT: self.attempt,
-            ENV_CKPT_DIR: self.ckpt_dir,
+            ENV_CKPT_DIR: self.ckpt_dir, ENV_CKPT_LOCAL_DIR: self.ckpt_local_dir,
+            ENV_LOCAL_RESUME_STEP: self.local_resume_step,
             ENV_CKPT_INTERVAL: "auto" if self.ckpt_interval is None else self.ckpt_interval,
             ENV_CKPT_ASYNC: None if self.ckpt_async is None else int(self.ckpt_async),
             ENV_RESUME_STEP: self.resume_step, ENV_RESUME_PATH: self.resume_path,
@@ -106,7 +111,8 @@ class Handover:
         interval = get(ENV_CKPT_INTERVAL)
         return cls(
             run_dir=get(ENV_RUN_DIR), node=get(ENV_NODE), attempt=num(ENV_ATTEMPT, int) or 0,
-            ckpt_dir=get(ENV_CKPT_DIR),
+            ckpt_dir=get(ENV_CKPT_DIR), ckpt_local_dir=get(ENV_CKPT_LOCAL_DIR),
+            local_resume_step=num(ENV_LOCAL_RESUME_STEP, int),
             ckpt_interval=None if interval in (None, "auto") else num(ENV_CKPT_INTERVAL, int),
             ckpt_async=None if get(ENV_CKPT_ASYNC) is None else get(ENV_CKPT_ASYNC) == "1",
             resume_step=num(ENV_RESUME_STEP, int), resume_path=get(ENV_RESUME_PATH),
@@ -155,6 +161,9 @@ class Heartbeat:
     restart_count: int = 0
     resumed_from: int | None = None  # the step this worker group loaded (None: fresh start)
     loading_step: int | None = None  # the checkpoint this rank is loading (or failed to load)
+    loading_tier: str | None = None  # from which tier: "local" or "durable"
+    resumed_tier: str | None = None  # the tier the group loaded from, and why (rank 0's words)
+    resumed_why: str | None = None
     exit_code: int | None = None
     exit_reason: str | None = None
     schema_version: int = HEARTBEAT_SCHEMA

@@ -82,9 +82,23 @@ class SavePause:
 
 
 class Checkpointer:
+    """Saves and loads one rank's share of the checkpoints.
+
+    Args:
+        root: where saves go: the durable tier, or with `durable_root` given, this node's local tier.
+        durable_root: the durable tier when saves go to a node-local tier (`checkpoint.local_dir`): each node's
+            first rank then commits its node's folder (its ranks' shards, every rank's small file, DCP's
+            metadata) and the node's supervisor replicates it (supervisor/replicate.py).
+        node: this rank's node, as the local tier's markers name it.
+    """
+
     def __init__(self, root: str | Path, ctx: DistContext, *, async_save: bool,
-                 on_committed: Callable[[CommitRecord], None] | None = None, pause: SavePause | None = None):
+                 on_committed: Callable[[CommitRecord], None] | None = None, pause: SavePause | None = None,
+                 durable_root: str | Path | None = None, node: str = "node"):
         self.root = Path(root)
+        self.durable_root = Path(durable_root) if durable_root is not None else self.root
+        self.local = self.durable_root != self.root
+        self.node = node
         self.ctx = ctx
         self.async_save = async_save
         self.on_committed = on_committed
@@ -156,28 +170,33 @@ class Checkpointer:
     def _persist(self, step: int, sd: dict[str, Any], extra: dict[str, Any], t0: float,
                  blocking_s: float | None, arena: Any = None) -> None:
         ctx, group = self.ctx, self.ctx.ckpt_group
-        partial = store.begin(self.root, step) if ctx.is_main else None
+        committer = ctx.local_rank == 0 if self.local else ctx.is_main  # each node's folder, or the one
+        partial = store.begin(self.root, step) if committer else None
         path = store.partial_path(self.root, step)
         try:
-            dist.barrier(group=group)  # the folder exists before anyone writes into it
+            dist.barrier(group=group)  # the folders exist before anyone writes into them
             pause = self.pause
             writer = RawWriter(path, arena=arena,
                                after_data=(lambda: pause.maybe("mid_data", step, path)) if pause else None)
             dcp.save(sd, storage_writer=writer, process_group=group, planner=self._planner)
             # The files this rank wrote, checksummed as they were written (what dcp.save returns differs by
-            # release, and is not needed).
-            records = [store.FileRecord(f.name, f.size, f.digest) for f in writer.written]
-            gathered: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
-            dist.gather_object(records, gathered, dst=0, group=group)
+            # release, and is not needed). With a local tier every node's folder needs every rank's small file
+            # and the metadata, so those travel too (their bytes: small).
+            mine = [store.FileRecord(f.name, f.size, f.digest) for f in writer.written]
+            shared = {r.name: (path / r.name).read_bytes() for r in mine
+                      if self.local and not r.name.endswith("_0.distcp")}
+            everyone: list[Any] = [None] * ctx.world_size
+            dist.all_gather_object(everyone, (self.node, ctx.rank, mine, shared), group=group)
             if partial is not None:
                 if self.pause is not None:
                     self.pause.maybe("before_marker", step, path)
-                all_records = [r for rank_records in gathered or [] for r in rank_records]
-                final = partial.commit(ctx.world_size, all_records, extra=extra)
+                records, extra = self._folder_records(path, everyone, extra)
+                final = partial.commit(ctx.world_size, records, extra=extra)
                 total = time.monotonic() - t0
-                size = sum(r.size for r in all_records)
-                log.info("checkpoint step %d committed: %s, %.1f MB, blocked %.3fs, total %.2fs",
-                         step, final.name, size / 1e6, blocking_s if blocking_s is not None else total, total)
+                size = sum(r.size for r in records)
+                log.info("checkpoint step %d committed%s: %s, %.1f MB, blocked %.3fs, total %.2fs",
+                         step, " to the local tier" if self.local else "", final.name, size / 1e6,
+                         blocking_s if blocking_s is not None else total, total)
                 if self.on_committed is not None:
                     self.on_committed(CommitRecord(step, time.time(), total, size))
             dist.barrier(group=group)  # on every rank, a finished save (or wait()) means committed
@@ -185,6 +204,24 @@ class Checkpointer:
         finally:
             if partial is not None:
                 partial.close()  # uncommitted: an abandoned partial folder, never a checkpoint
+
+    def _folder_records(self, path: Path, everyone: list[Any],
+                        extra: dict[str, Any]) -> tuple[list[store.FileRecord], dict[str, Any]]:
+        """What this committer's folder holds: every rank's files (one durable folder), or this node's ranks'
+        files plus the other ranks' small files and the metadata, written here now (a local tier)."""
+        if not self.local:
+            return [r for _, _, recs, _ in everyone for r in recs], extra
+        records = []
+        for node, _rank, recs, shared in everyone:
+            if node == self.node:
+                records += recs
+                continue
+            for name, data in shared.items():
+                records.append(_write_durably(path / name, data))
+        ranks: dict[str, list[int]] = {}
+        for node, rank, _, _ in everyone:
+            ranks.setdefault(node, []).append(rank)
+        return records, {**extra, "tier": "local", "node": self.node, "nodes": sorted(ranks), "ranks": ranks}
 
     # ---- loading ------------------------------------------------------------------------------------
 
@@ -195,3 +232,14 @@ class Checkpointer:
         sd = template(keys)
         dcp.load(sd, storage_reader=reader, process_group=self.ctx.ckpt_group)
         return sd
+
+
+def _write_durably(path: Path, data: bytes) -> store.FileRecord:
+    """A small file another rank wrote, copied into this node's folder: fsynced, checksummed."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    h = store.hasher()
+    h.update(data)
+    return store.FileRecord(path.name, len(data), h.hexdigest())

@@ -130,10 +130,12 @@ class Session:
         ctx = dist_util.init(h.collective_timeout_s or collective_timeout_s or 600.0, device)
         pg_s = time.monotonic() - t_pg
         beater.update(world_size=ctx.world_size)
-        root = h.ckpt_dir or ckpt_dir or "checkpoints"
+        durable = h.ckpt_dir or ckpt_dir or "checkpoints"
+        root = h.ckpt_local_dir or durable  # saves go to this node's local tier when there is one
         use_async = h.ckpt_async if h.ckpt_async is not None else (True if async_save is None else async_save)
-        ckpt = Checkpointer(root, ctx, async_save=use_async,
-                            on_committed=beater.record_commit if ctx.is_main else None, pause=save_pause)
+        committer = ctx.local_rank == 0 if h.ckpt_local_dir else ctx.is_main
+        ckpt = Checkpointer(root, ctx, async_save=use_async, on_committed=beater.record_commit if committer else None,
+                            pause=save_pause, durable_root=durable, node=h.node or socket.gethostname())
         interval = h.ckpt_interval if h.supervised else ckpt_interval
         grace = (h.stop_grace_s or DEFAULT_GRACE_S) - GRACE_MARGIN_S
         if ctx.is_main:
@@ -159,27 +161,30 @@ class Session:
 
     # ---- resume -------------------------------------------------------------------------------------
 
-    def _choose_resume_step(self) -> int | None:
-        """The step every rank loads: agreed across ranks and nodes, and valid in rank 0's view.
+    def _choose_resume_step(self) -> tuple[int | None, str, str]:
+        """The step every rank loads, and from which tier (and why): agreed across ranks and nodes.
 
         Supervised, each node's supervisor handed over the newest valid step it found; the smallest wins (a
         node behind on a lagging filesystem must not resume from a different one). A checkpoint committed
         after the launch was written by this attempt (an earlier worker group, before torchrun re-formed
         the group for a joining node) and is newer than anything handed over: it wins. Unsupervised, rank
-        0 takes the newest valid checkpoint.
+        0 takes the newest valid checkpoint. With a local tier, the ranks read their node's local copy when
+        every rank's node holds the same step there, whole, with that rank's shard (same nodes, same world
+        size), and it is no older than the durable choice.
         """
         h = self.handover
         asked: list[Any] = [None] * self.world_size
-        mine = (h.supervised, h.resume_step, h.launched_at)
+        mine = (h.supervised, h.resume_step, h.launched_at, self._local_offer())
         dist.all_gather_object(asked, mine, group=self.ctx.ckpt_group)
         decision: list[Any] = [None]
         if self.ctx.is_main:
-            decision[0] = self._decide(asked)
+            step = self._decide([a[:3] for a in asked])
+            decision[0] = (step, *self._tier(step, [a[3] for a in asked]))
         dist.broadcast_object_list(decision, src=0, group=self.ctx.ckpt_group)
         return decision[0]
 
     def _decide(self, asked: list[tuple[bool, int | None, float | None]]) -> int | None:
-        root = self.ckpt.root
+        root = self.ckpt.durable_root
         supervised = [a for a in asked if a[0]]
         if not supervised:
             info = store.latest_valid(root)
@@ -210,6 +215,36 @@ class Session:
                     info.reason if info else "missing", fallback.step if fallback else "a fresh start")
         return fallback.step if fallback else None
 
+    def _local_offer(self) -> tuple[int | None, str]:
+        """The local step this rank could read, or None and why not."""
+        h = self.handover
+        if not self.ckpt.local:
+            return None, "no local tier"
+        if h.local_resume_step is None:
+            return None, f"node {self.ckpt.node} has no local checkpoint"
+        info = store.inspect(self.ckpt.root / store.step_dirname(h.local_resume_step))
+        if not info.valid:
+            return None, f"node {self.ckpt.node}'s local step {h.local_resume_step} is {info.status.value}"
+        held = (info.manifest.extra.get("ranks") or {}).get(self.ckpt.node, []) if info.manifest else []
+        if info.world_size != self.world_size or self.rank not in held:
+            return None, (f"the world changed since local step {h.local_resume_step} (saved by {info.world_size} "
+                          f"ranks, rank {self.rank} {'held' if self.rank in held else 'not held'} on node "
+                          f"{self.ckpt.node})")
+        return h.local_resume_step, ""
+
+    def _tier(self, durable_step: int | None, offers: list[tuple[int | None, str]]) -> tuple[str, str]:
+        if not self.ckpt.local:
+            return "durable", "one tier"
+        steps = {step for step, _ in offers}
+        if None in steps:
+            return "durable", next(why for step, why in offers if step is None)
+        if len(steps) > 1:
+            return "durable", f"the nodes hold different local steps {sorted(steps)}"
+        local = steps.pop()
+        if durable_step is not None and local < durable_step:
+            return "durable", f"the local step {local} is older than the durable step {durable_step}"
+        return "local", f"every node holds step {local} whole"
+
     def resume(self, state: TrainState) -> int:
         """Load the agreed checkpoint into `state` (resharding if the world size changed); return the step
         to continue from, 0 for a fresh start.
@@ -220,7 +255,9 @@ class Session:
         """
         self.beater.set_phase("load", now=True)
         t_resume = time.monotonic()
-        step = self._choose_resume_step()
+        step, tier, why = self._choose_resume_step()
+        if tier == "local":
+            step = self.handover.local_resume_step
         if state.stateful:
             self._check_stateful(state)
         if step is None:
@@ -228,9 +265,9 @@ class Session:
             if self.ctx.is_main:
                 log.info("no checkpoint to resume from: starting at step 0")
         else:
-            path = self.ckpt.root / store.step_dirname(step)
+            path = (self.ckpt.root if tier == "local" else self.ckpt.durable_root) / store.step_dirname(step)
             t0 = time.monotonic()
-            self.beater.update(loading_step=step)
+            self.beater.update(loading_step=step, loading_tier=tier, resumed_tier=tier, resumed_why=why)
             problem, notes = None, []
             try:
                 # The template raises the same StatefulError on every rank (it depends only on the checkpoint's
@@ -251,7 +288,8 @@ class Session:
                 manifest = store.inspect(path).manifest
                 saved_world = manifest.world_size if manifest else "?"
                 reshard = f", resharded from {saved_world} ranks" if saved_world != self.world_size else ""
-                log.info("resumed from step %d (%s) in %.2fs%s", step, path.name, time.monotonic() - t0,
+                tiers = f" from the {tier} tier ({why})" if self.ckpt.local else ""
+                log.info("resumed from step %d (%s)%s in %.2fs%s", step, path.name, tiers, time.monotonic() - t0,
                          reshard)
                 if notes:
                     log.info("restored stateful: %s", ", ".join(notes))
