@@ -56,6 +56,7 @@ class AttemptOutcome:
     step: int | None = None  # the step training had reached (newest heartbeat) when it ended
     log_hint: str | None = None  # the file to look at first
     checkpoint_step: int | None = None  # CHECKPOINT_LOAD: the checkpoint the ranks failed to load
+    checkpoint_tier: str | None = None  # ... and from which tier ("local" or "durable")
 
     @property
     def retryable(self) -> bool:
@@ -71,6 +72,7 @@ class Decision:
     resume_below: int | None = None  # resume from the newest valid checkpoint strictly below this step
     quarantine_step: int | None = None  # set this checkpoint aside before relaunching (the ranks failed to load it)
     quarantine: str = ""  # why
+    quarantine_local: bool = False  # the copy in this node's local tier
     final_state: RunState | None = None
     message: str = ""
     counts_as_restart: bool = True

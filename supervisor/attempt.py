@@ -246,12 +246,19 @@ class Attempt:
         if len(loaded) != 1 or self._resume_noted:
             return
         step = loaded.pop()
+        said = min(heartbeats.values(), key=lambda hb: hb.rank)
+        tier = said.resumed_tier if step is not None else None
         if self.rec.regroups:
             self.rec.regroups[-1]["resumed_from"] = step
         elif step != self.rec.resumed_from_step:
-            self.console.event(f"attempt {self.rec.attempt}: the ranks resumed from step {step} (agreed across "
-                               f"nodes; this node had handed over {self.rec.resumed_from_step})", style="yellow")
+            where = f" from the {tier} tier ({said.resumed_why})" if tier and self.handover.ckpt_local_dir else ""
+            self.console.event(f"attempt {self.rec.attempt}: the ranks resumed from step {step}{where} (agreed "
+                               f"across nodes; this node had handed over {self.rec.resumed_from_step})", style="yellow")
             self.rec.resumed_from_step = step
+        elif tier and self.handover.ckpt_local_dir:
+            self.console.event(f"attempt {self.rec.attempt}: the ranks resumed from step {step} from the {tier} tier "
+                               f"({said.resumed_why})")
+        self.rec.resumed_tier, self.rec.resumed_why = tier, said.resumed_why if tier else None
         self._resume_noted = True
 
     def _update_ranks(self, heartbeats: dict[int, Heartbeat], watch: RankWatch, now: float) -> None:

@@ -167,7 +167,8 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
         hb = heartbeats.get(rank)
         why = (hb.exit_reason if hb and hb.exit_reason else _last_line(log_text)).removeprefix("checkpoint_load: ")
         return AttemptOutcome(api.CHECKPOINT_LOAD, f"{where} could not load the checkpoint: {why}", rank, code, step,
-                              checkpoint_step=hb.loading_step if hb else None)
+                              checkpoint_step=hb.loading_step if hb else None,
+                              checkpoint_tier=hb.loading_tier if hb else None)
     trained = any(hb.first_step_at is not None for hb in heartbeats.values())
     if code == EXIT_CONFIG or (not trained and CONFIG.search(evidence)):
         detail = _last_line(message or log_text) or f"exit code {code}"

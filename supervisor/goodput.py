@@ -91,6 +91,18 @@ class Accounting:
                 self.down_s += max(0.0, t - prev.ended_at)
         self.attempts.append(AttemptAccount(attempt, t, resume_step))
 
+    def resumed(self, step: int | None) -> None:
+        """The ranks of the current attempt resumed from `step`, which may differ from what it was launched with
+        (the nodes agreed on another, or they read a newer local-tier copy): charge the previous attempt again."""
+        a = self.attempts[-1]
+        if step == a.resume_step:
+            return
+        a.resume_step = step
+        if len(self.attempts) > 1:
+            prev = self.attempts[-2]
+            prev.finalized, prev.lost_steps, prev.lost_s, prev.lost_blocking_s = False, 0, 0.0, 0.0
+            self.finalize(prev, step)
+
     def step(self, step: int, t: float) -> None:
         a = self.attempts[-1]
         if a.first_step_at is None:

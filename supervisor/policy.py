@@ -30,6 +30,7 @@ class LoadFailure:
     step: int
     corrupt: str | None  # why a full check failed; None: every byte matches its checksum
     older_valid: int | None  # the newest valid checkpoint below it
+    local: bool = False  # it was this node's local copy: set it aside, the durable tier or an older one serves
 
 
 @dataclass
@@ -102,12 +103,16 @@ class RestartPolicy:
         left = self.cfg.max_restarts - self.restarts
         message = f"restart {self.restarts}/{self.cfg.max_restarts} ({left} left) in {wait:.1f}s"
         if set_aside is not None:
+            local = load is not None and load.local
             return Decision(True, wait_s=wait, quarantine_step=set_aside[0], quarantine=set_aside[1],
-                            message=f"{message}, from the checkpoint before step {set_aside[0]}")
+                            quarantine_local=local, message=f"{message}, from the durable tier" if local else
+                            f"{message}, from the checkpoint before step {set_aside[0]}")
         return Decision(True, wait_s=wait, resume_below=resume_below, message=message)
 
     def _unloadable(self, load: LoadFailure, outcome: AttemptOutcome) -> Decision | tuple[int, str] | None:
         """Set the checkpoint aside (step, why), try it once more (None), or stop (a Decision)."""
+        if load.local:  # the durable tier (or an older local copy) is still there: no second try needed
+            return load.step, f"{load.corrupt}: {outcome.detail}"
         failed = self.load_failures[load.step] = self.load_failures.get(load.step, 0) + 1
         if load.corrupt is not None:
             why = f"{load.corrupt} (a full check after the ranks failed to load it)"

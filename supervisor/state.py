@@ -72,6 +72,8 @@ class AttemptRecord:
     log_dir: str | None = None
     skipped: list[str] | None = None  # newer checkpoint folders passed over at launch, with the reason
     lost_steps: int | None = None  # steps of this attempt the next one re-executed
+    resumed_tier: str | None = None  # "local" or "durable" (with a local tier), and why, in the ranks' words
+    resumed_why: str | None = None
     regroups: list[dict] | None = None  # torchrun re-formed the group in place (a node joined): when, how big
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +106,7 @@ class RunRecord:
     accounting: dict[str, Any] = field(default_factory=dict)
     checkpoint_interval: dict[str, Any] = field(default_factory=dict)
     quarantined: list[dict[str, Any]] = field(default_factory=list)  # checkpoints set aside: step, path, reason
+    replication: dict[str, Any] = field(default_factory=dict)  # the local tier → durable tier (replicate.py)
     message: str | None = None
     updated_at: float = 0.0
 

@@ -35,11 +35,13 @@ from supervisor.layout import RunLayout, recorded
 from supervisor.policy import LoadFailure, RestartPolicy
 from supervisor.protocol import CommitRecord, Control, Handover, SaveRecord, StepRecord, write_control
 from supervisor.rdzv import Generations, run_id
+from supervisor.replicate import Replicator
 from supervisor.state import AttemptRecord, RunRecord, RunState
 
 log = logging.getLogger("resilient")
 
 STATE_EVERY_S = 1.0
+REPLICATION_DRAIN_S = 600.0  # a finished run waits this long at most for its last durable copies
 
 
 def choose_resume(root: Any, verify: str, below: int | None = None) -> ResumeChoice:
@@ -85,6 +87,13 @@ class Supervisor:
         self._generation = self.generations.current() if self.generations else None
         self._interval: int | None = ck.interval_steps
         self._last_state_write = 0.0
+        # A node-local tier: the ranks save there, this node's part is copied to the durable tier in the background.
+        self.local_root = ck.local_root(layout.node or socket.gethostname())
+        self.replicator = (Replicator(self.local_root, ck.dir, layout.node or socket.gethostname(),
+                                      keep_local=ck.keep_local, keep=ck.keep, outage_s=ck.durable_outage_s,
+                                      announce=lambda text, style: self.console.event(text, style=style))
+                           if self.local_root is not None else None)
+        self._local_step: int | None = None
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -96,14 +105,33 @@ class Supervisor:
         job = self.cfg.to_dict(relative_to=self.cfg.run_dir)
         atomic_write_json(self.layout.job_file, {"schema_version": 1, "job": job}, durable=False)
         self.accounting.start_session(time.time())
+        if self.replicator is not None:
+            self.replicator.start()
         try:
             return self._loop()
         finally:
             close = getattr(self.launcher, "close", None)
             if close is not None:
                 close()
+            if self.replicator is not None:
+                self._drain_replication()
             self.accounting.end_session(time.time())
             self.save_state()
+
+    def _drain_replication(self) -> None:
+        """Before leaving: the local checkpoints not yet in the durable tier get their copy (bounded: a stop
+        within the job's stop timeout; otherwise REPLICATION_DRAIN_S)."""
+        assert self.replicator is not None
+        pending = self.replicator.snapshot()["pending"]
+        if pending:
+            self.console.event(f"copying local step(s) {pending} to the durable tier before exiting")
+        limit = self.cfg.stop_timeout_s if self._stop_signal is not None else REPLICATION_DRAIN_S
+        if not self.replicator.drain(limit):
+            left = self.replicator.snapshot()
+            self.console.event(f"the durable tier still lacks local step(s) {left['pending']} "
+                               f"({left['last_error'] or 'still copying'}); `resilient run` again goes on copying",
+                               style="red")
+        self.replicator.stop()
 
     def _loop(self) -> int:
         self._start_interval()
@@ -128,7 +156,15 @@ class Supervisor:
     def _choose(self, below: int | None) -> ResumeChoice:
         """The newest valid checkpoint; a committed one found corrupt on the way is set aside for good (a
         rerun must not trip over it again), the older ones are left to retention."""
-        choice = choose_resume(self.cfg.checkpoint.dir, self.cfg.checkpoint.verify, below)
+        choice = self._choose_in(self.cfg.checkpoint.dir, below)
+        if self.local_root is not None:  # the node's local tier: the ranks take it if every node has the step
+            local = self._choose_in(self.local_root, below)
+            self._local_step = local.step
+            choice.skipped += [(f"local {n}", w) for n, w in local.skipped]
+        return choice
+
+    def _choose_in(self, root: Any, below: int | None) -> ResumeChoice:
+        choice = choose_resume(root, self.cfg.checkpoint.verify, below)
         for info in choice.corrupt:
             moved = self._quarantine(info.path, f"{info.reason} (found before attempt "
                                                 f"{self._next_attempt_number()})")
@@ -150,6 +186,8 @@ class Supervisor:
         c = self.cfg
         return Handover(
             run_dir=str(c.run_dir), node=self.layout.node, attempt=spec.attempt, ckpt_dir=str(c.checkpoint.dir),
+            ckpt_local_dir=str(self.local_root) if self.local_root is not None else None,
+            local_resume_step=self._local_step,
             ckpt_interval=c.checkpoint.interval_steps, ckpt_async=c.checkpoint.async_save,
             resume_step=spec.resume_step, resume_path=str(spec.resume_path) if spec.resume_path else None,
             heartbeat_dir=str(spec.heartbeat_dir), heartbeat_interval_s=c.heartbeat.interval_s,
@@ -177,6 +215,10 @@ class Supervisor:
         for name, why in choice.skipped:
             self.console.event(f"skipping {name}: {why}", style="yellow")
         start = f"resuming from step {choice.step} ({choice.path.name})" if choice.path else "starting fresh"
+        if self.local_root is not None and self._local_step is not None and \
+                (choice.step is None or self._local_step >= choice.step):
+            start = (f"resuming from local step {self._local_step} if every node holds it, else "
+                     + (f"durable step {choice.step}" if choice.step is not None else "fresh"))
         self.console.event(f"attempt {spec.attempt}: launching {self.cfg.nnodes}×{self.cfg.nproc_per_node} ranks, "
                            f"{start}; logs in {spec.logs_dir}")
         rec = AttemptRecord(attempt=spec.attempt, started_at=time.time(), resumed_from_step=choice.step,
@@ -203,8 +245,9 @@ class Supervisor:
             outcome.step = self.record.step = logged
         rec.reason, rec.detail, rec.failed_rank = outcome.reason, outcome.detail, outcome.failed_rank
         rec.exit_code, rec.step_at_failure = outcome.exit_code, None if outcome.reason == api.FINISHED else outcome.step
-        newest = store.latest_valid(self.cfg.checkpoint.dir)  # authoritative, even if the step log lagged
-        self.record.last_checkpoint_step = rec.last_checkpoint_step = newest.step if newest else None
+        newest = max((i.step for i in (store.latest_valid(self.cfg.checkpoint.dir), self._newest_local())
+                      if i is not None), default=None)  # authoritative, even if the step log lagged
+        self.record.last_checkpoint_step = rec.last_checkpoint_step = newest
         self.save_state()
         if outcome.reason not in (api.FINISHED, api.STOPPED):
             where = f" at step {outcome.step}" if outcome.step is not None else ""
@@ -218,6 +261,7 @@ class Supervisor:
             if isinstance(r, StepRecord):
                 if rec.first_step_at is None:
                     rec.first_step_at = r.t
+                    self.accounting.resumed(r.step - 1 or None)  # the first step done follows the one loaded
                     self.console.event(f"attempt {rec.attempt}: training (first step {r.step} after "
                                        f"{r.t - rec.started_at:.1f}s)")
                     spare = getattr(self.launcher, "spare", None)
@@ -246,6 +290,15 @@ class Supervisor:
         self._announced.add(commit.step)
         self.record.last_checkpoint_step = commit.step
         removed = ""
+        if self.replicator is not None:  # a local commit: the replicator copies it and keeps both tiers' retention
+            if mine:
+                self.replicator.notify(commit.step)
+                blocked = self._blocking.pop(commit.step, None)
+                how = f"training blocked {blocked:.3f}s, " if blocked is not None else ""
+                self.console.event(f"checkpoint step {commit.step} committed to the local tier ({how}"
+                                   f"{commit.bytes / 1e6:.1f} MB in {commit.persist_s:.2f}s)")
+            self.save_state()
+            return
         if mine:
             plan = retention.plan(self.cfg.checkpoint.dir, store.scan(self.cfg.checkpoint.dir),
                                   self.cfg.checkpoint.keep, owner_alive=True)
@@ -281,9 +334,14 @@ class Supervisor:
         root = self.cfg.checkpoint.dir
         newest = store.latest_valid(root)
         older = store.latest_valid(root, below=newest.step) if newest else None
-        progressed = newest is not None and (choice.step is None or newest.step > choice.step)
+        newest_step = max((i.step for i in (newest, self._newest_local()) if i is not None), default=None)
+        started = max((s for s in (choice.step, self._local_step) if s is not None), default=None)
+        progressed = newest_step is not None and (started is None or newest_step > started)
         return self.policy.decide(outcome, progressed=progressed, newest_valid=newest.step if newest else None,
                                   older_valid=older.step if older else None, load=self._load_failure(outcome, choice))
+
+    def _newest_local(self) -> store.CheckpointInfo | None:
+        return store.latest_valid(self.local_root) if self.local_root is not None else None
 
     def _next_generation(self, outcome: AttemptOutcome) -> None:
         """torchrun closed the rendezvous it formed (or found it closed): relaunch in the next one. A launch
@@ -300,6 +358,8 @@ class Supervisor:
         step = outcome.checkpoint_step if outcome.checkpoint_step is not None else choice.step
         if step is None:
             return None
+        if outcome.checkpoint_tier == "local" and self.local_root is not None:
+            return LoadFailure(step, "the ranks could not load this node's local copy", None, local=True)
         root = self.cfg.checkpoint.dir
         path = root / store.step_dirname(step)
         self.console.event(f"checking every byte of {path.name}, which the ranks could not load", style="yellow")
@@ -311,8 +371,8 @@ class Supervisor:
     def _before_relaunch(self, decision: Decision) -> int | None:
         """Set aside what the decision says, wait the backoff; returns the step to resume below, if any."""
         if decision.quarantine_step is not None:
-            path = self.cfg.checkpoint.dir / store.step_dirname(decision.quarantine_step)
-            self._quarantine(path, decision.quarantine)
+            root = self.local_root if decision.quarantine_local and self.local_root else self.cfg.checkpoint.dir
+            self._quarantine(root / store.step_dirname(decision.quarantine_step), decision.quarantine)
         self.record.restarts = self._restarts_before + self.policy.restarts
         self._transition(RunState.RESTARTING)
         if decision.resume_below is not None:
@@ -392,6 +452,8 @@ class Supervisor:
         if force or now - self._last_state_write >= STATE_EVERY_S:
             summary = self.accounting.summary(time.time())
             self.record.goodput = summary["goodput"]
+            if self.replicator is not None:
+                self.record.replication = self.replicator.snapshot()
             self.record.accounting = {"summary": summary, "ledger": self.accounting.to_dict()}
             state.write(self.layout.state_file, self.record)
             self._last_state_write = now

@@ -1,0 +1,320 @@
+"""Replication: each node's supervisor copies its node's local checkpoints into the durable tier.
+
+With `checkpoint.local_dir`, the ranks commit every checkpoint to a node-local folder (NVMe, /dev/shm), each
+node its own ranks' shards plus every rank's small file and DCP's metadata, with its own marker. This thread,
+in the torch-free supervisor (alive across rank crashes), copies each one into `checkpoint.dir`:
+
+1. into the durable `step_<N>.partial`, shared by the nodes (a shared flock on its `.writer.lock` tells gc
+   the folder is live), each file through a temp name, checksummed while copied and compared with the local
+   manifest before it is renamed into place; a file another node already put there is checked, not copied;
+2. `.parts/<node>.json`, written last for this node: the files it vouches for;
+3. when every node of the save has its part there, one of them (under `.commit.lock`) publishes the folder:
+   the marker last, as for any checkpoint (store.publish). Until then it is a partial, never valid.
+
+It resumes after a supervisor restart: whatever local checkpoint is newer than the newest durable one and
+has no part of this node in the durable tier yet is queued again. Failures (a durable tier that is full or
+unwritable) never stop training: the step stays queued, retried with a growing wait, and `failing_since`
+says so. Local retention keeps `keep_local` checkpoints and never deletes one that has no durable copy,
+unless the durable tier has been failing for longer than `checkpoint.durable_outage_s`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor import retention, store
+from supervisor.fsutil import atomic_write_bytes, fsync_dir
+
+log = logging.getLogger("resilient")
+
+PARTS = ".parts"
+COMMIT_LOCK = ".commit.lock"
+CHUNK = 64 << 20
+RETRY_S = (2.0, 5.0, 15.0, 30.0, 60.0)
+PAUSE_ENV = "RESILIENT_TEST_REPLICATE_PAUSE_S"  # test hook: sleep after the first file of each step
+
+
+@dataclass
+class ReplicationState:
+    """What `status` shows about the two tiers (kept in the node's state file)."""
+
+    local_root: str
+    durable_root: str
+    newest_local: int | None = None
+    newest_local_at: float | None = None
+    newest_durable: int | None = None
+    newest_durable_at: float | None = None
+    pending: list[int] = field(default_factory=list)
+    failing_since: float | None = None
+    last_error: str | None = None
+    replicated: int = 0
+    bytes_copied: int = 0
+    seconds_copying: float = 0.0
+    deleted_unreplicated: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["lag_steps"] = (None if self.newest_local is None else
+                          self.newest_local - (self.newest_durable or 0) if self.newest_local > (self.newest_durable
+                                                                                               or -1) else 0)
+        d["lag_s"] = (round(max(0.0, self.newest_local_at - self.newest_durable_at), 2)
+                      if self.newest_local_at and self.newest_durable_at else None)
+        return d
+
+
+class Replicator:
+    """Replicates one node's local tier into the durable tier, in a background thread."""
+
+    def __init__(self, local_root: Path, durable_root: Path, node: str, *, keep_local: int, keep: int,
+                 outage_s: float, announce: Callable[[str, str | None], None] | None = None):
+        self.local_root, self.durable_root, self.node = Path(local_root), Path(durable_root), node
+        self.keep_local, self.keep, self.outage_s = keep_local, keep, outage_s
+        self.announce = announce or (lambda text, style: log.info("%s", text))
+        self.state = ReplicationState(str(self.local_root), str(self.durable_root))
+        self._queue: set[int] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="resilient-replicate", daemon=True)
+        self._pause = float(os.environ.get(PAUSE_ENV) or 0.0)
+
+    # ---- called by the supervisor ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Queue every local checkpoint the durable tier lacks (a restart resumes here), and start."""
+        for step in self._unreplicated():
+            self._queue.add(step)
+        self._refresh()
+        self._thread.start()
+        self._wake.set()
+
+    def notify(self, step: int) -> None:
+        """The ranks committed `step` to the local tier."""
+        with self._lock:
+            self._queue.add(step)
+        self._wake.set()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until nothing is queued (or `timeout_s` passed); True when everything got its durable copy."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._queue:
+                    return True
+            self._wake.set()
+            self._idle.wait(0.1)
+        with self._lock:
+            return not self._queue
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            self.state.pending = sorted(self._queue)
+            return self.state.to_dict()
+
+    # ---- the thread --------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            self._wake.wait(RETRY_S[min(failures, len(RETRY_S) - 1)] if failures else 1.0)
+            self._wake.clear()
+            with self._lock:
+                todo = sorted(self._queue)
+            if not todo:
+                self._idle.set()
+                continue
+            self._idle.clear()
+            for step in todo:
+                if self._stop.is_set():
+                    return
+                try:  # a background loop logs and keeps going: the durable tier may come back
+                    self._replicate(step)
+                except Exception as e:  # every failure of the durable tier is the same news
+                    failures += 1
+                    self._failed(step, e)
+                    break
+                else:
+                    failures = 0
+                    with self._lock:
+                        self._queue.discard(step)
+                    self._recovered()
+            with contextlib.suppress(Exception):
+                self._local_retention()
+                self._refresh()
+
+    def _failed(self, step: int, error: Exception) -> None:
+        reason = f"{type(error).__name__}: {error}" if not isinstance(error, OSError) or not error.strerror else \
+            f"{error.strerror} ({getattr(error, 'filename', '') or self.durable_root})"
+        first = self.state.failing_since is None
+        self.state.failing_since = self.state.failing_since or time.time()
+        self.state.last_error = f"step {step}: {reason}"
+        if first:
+            self.announce(f"cannot copy step {step} to the durable tier {self.durable_root}: {reason}; training goes "
+                          "on with the local tier, and the copy is retried", "red")
+
+    def _recovered(self) -> None:
+        if self.state.failing_since is not None:
+            self.announce(f"the durable tier {self.durable_root} works again (failing for "
+                          f"{time.time() - self.state.failing_since:.0f}s)", "green")
+        self.state.failing_since, self.state.last_error = None, None
+
+    # ---- one step ------------------------------------------------------------------------------------------
+
+    def _replicate(self, step: int) -> None:
+        local = self.local_root / store.step_dirname(step)
+        info = store.inspect(local)
+        if not info.valid:  # gone (retention, a wiped node) or damaged: nothing of this node to vouch for
+            log.warning("not replicating %s: %s", local, info.reason)
+            return
+        manifest = info.manifest
+        assert manifest is not None
+        final = self.durable_root / store.step_dirname(step)
+        if store.inspect(final).valid if final.is_dir() else False:
+            return  # another node completed it
+        partial = self.durable_root / store.partial_dirname(step)
+        partial.mkdir(parents=True, exist_ok=True)
+        for stale in partial.glob(f".*.{self.node}.tmp"):  # this node's copy cut short by a crash
+            stale.unlink(missing_ok=True)
+        live = os.open(partial / store.WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(live, fcntl.LOCK_SH)  # gc: a writer is at work here
+            mine = partial / PARTS / f"{self.node}.json"
+            if not mine.exists():
+                t0, copied = time.monotonic(), 0
+                for i, rec in enumerate(manifest.files):
+                    copied += self._copy_verified(local / rec.name, partial / rec.name, rec,
+                                                  manifest.checksum_algorithm)
+                    if i == 0 and self._pause:
+                        log.warning("test hook: pausing %.1fs inside the replication of step %d", self._pause, step)
+                        time.sleep(self._pause)
+                fsync_dir(partial)
+                (partial / PARTS).mkdir(exist_ok=True)
+                doc = {"node": self.node, "files": [f.to_dict() for f in manifest.files], "at": time.time(),
+                       "world_size": manifest.world_size, "nodes": manifest.extra.get("nodes", [self.node])}
+                atomic_write_bytes(mine, json.dumps(doc).encode(), durable=True)
+                self.state.bytes_copied += copied
+                self.state.seconds_copying += time.monotonic() - t0
+                self.state.replicated += 1
+            self._try_commit(step, partial, manifest)
+        finally:
+            os.close(live)
+
+    def _copy_verified(self, src: Path, dest: Path, rec: store.FileRecord, algorithm: str) -> int:
+        """Copy `src` to `dest` through a temp name, checksummed while copied; returns the bytes copied (0 when
+        `dest` was already there, whole: another node's copy of a shared file, or an earlier try's)."""
+        if dest.exists() and dest.stat().st_size == rec.size and store.checksum_file(dest, algorithm) == rec.checksum:
+            return 0
+        tmp = dest.with_name(f".{dest.name}.{self.node}.tmp")
+        h = store.hasher(algorithm)
+        buf = bytearray(min(CHUNK, max(rec.size, 1)))
+        view = memoryview(buf)
+        with open(src, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
+            while n := fin.readinto(buf):
+                h.update(view[:n])
+                chunk = view[:n]
+                while chunk:
+                    chunk = chunk[fout.write(chunk):]
+            os.fsync(fout.fileno())
+        if h.hexdigest() != rec.checksum:
+            tmp.unlink(missing_ok=True)
+            raise ValueError(f"{src} does not match its manifest's checksum: the local copy is damaged")
+        os.replace(tmp, dest)
+        return rec.size
+
+    def _try_commit(self, step: int, partial: Path, manifest: store.Manifest) -> None:
+        """Publish the durable checkpoint if every node of the save has its part there (one node does)."""
+        nodes = set(manifest.extra.get("nodes") or [self.node])
+        parts = {}
+        for p in (partial / PARTS).glob("*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                parts[p.stem] = json.loads(p.read_bytes())
+        if not nodes <= set(parts):
+            return
+        try:
+            fd = os.open(partial / COMMIT_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            return  # another node published it a moment ago
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if not partial.exists() or not (partial / PARTS).exists():
+                return
+            records: dict[str, store.FileRecord] = {}
+            for part in parts.values():
+                for f in part["files"]:
+                    rec = store.FileRecord(f["name"], int(f["size"]), f["checksum"])
+                    if records.setdefault(rec.name, rec) != rec:
+                        raise ValueError(f"nodes disagree about {rec.name} of step {step}")
+            extra = {k: v for k, v in manifest.extra.items() if k not in ("tier", "node")}
+            extra["tier"] = "durable"
+            store.publish(partial, step, manifest.world_size, list(records.values()), extra,
+                          manifest.checksum_algorithm)
+        finally:
+            os.close(fd)
+        self.announce(f"step {step} is in the durable tier ({len(nodes)} node(s)' parts)", None)
+        plan = retention.plan(self.durable_root, store.scan(self.durable_root), self.keep, owner_alive=True)
+        if plan.remove:
+            retention.apply(plan)
+
+    # ---- the tiers -----------------------------------------------------------------------------------------
+
+    def _durable_valid(self) -> dict[int, store.CheckpointInfo]:
+        if not self.durable_root.is_dir():
+            return {}
+        return {i.step: i for i in store.scan(self.durable_root) if i.valid}
+
+    def _unreplicated(self) -> list[int]:
+        """Local checkpoints newer than the newest durable one: the durable tier lacks them (this node's part may
+        be there already; queuing it again only retries the publish, which the last node's crash may have cut)."""
+        if not self.local_root.is_dir():
+            return []
+        newest = max(self._durable_valid(), default=-1)
+        return [i.step for i in store.scan(self.local_root) if i.valid and i.step > newest]
+
+    def _local_retention(self) -> None:
+        """Keep `keep_local` newest local checkpoints; older ones go only once the durable tier has them (or it
+        has been failing longer than the outage limit)."""
+        if not self.local_root.is_dir():
+            return
+        durable = self._durable_valid()
+        outage = self.state.failing_since is not None and time.time() - self.state.failing_since > self.outage_s
+        infos = store.scan(self.local_root)
+        valid = {i.step for i in infos if i.valid}
+        plan = retention.plan(self.local_root, infos, self.keep_local, owner_alive=True)
+        allowed = []
+        for r in plan.remove:
+            if r.step not in valid or r.step in durable:  # not a checkpoint, or one the durable tier holds
+                allowed.append(r)
+            elif outage:
+                allowed.append(r)
+                self.state.deleted_unreplicated.append(r.step)
+                self.announce(f"deleting local step {r.step}, which has no durable copy: the durable tier has been "
+                              f"failing for {time.time() - (self.state.failing_since or 0):.0f}s", "red")
+        if allowed:
+            retention.apply(retention.Plan(plan.kept, allowed, plan.spared))
+
+    def _refresh(self) -> None:
+        local = [i for i in store.scan(self.local_root) if i.valid] if self.local_root.is_dir() else []
+        durable = self._durable_valid()
+        with self._lock:
+            if local:
+                self.state.newest_local, self.state.newest_local_at = local[-1].step, local[-1].created_at
+            if durable:
+                newest = max(durable)
+                self.state.newest_durable, self.state.newest_durable_at = newest, durable[newest].created_at

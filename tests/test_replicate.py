@@ -1,0 +1,118 @@
+"""Replication from node-local tiers to the durable tier, on real folders without processes: two nodes'
+parts assemble one durable checkpoint, which is never valid before the last part; a damaged local copy is
+never vouched for; an unwritable durable tier is retried and reported; local retention keeps what has no
+durable copy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor import store
+from supervisor.replicate import PARTS, Replicator
+from tests.ckpt_helpers import truncate
+
+NODES = {"a": [0, 1], "b": [2, 3]}
+
+
+def local_checkpoint(root: Path, step: int, node: str, ranks: dict[str, list[int]] = NODES) -> Path:
+    """What the ranks of `node` commit to its local tier: their shards, every rank's small file, the metadata."""
+    partial = store.begin(root, step)
+    world = sum(len(r) for r in ranks.values())
+    names = [f"__{r}_0.distcp" for r in ranks[node]] + [f"__{r}_1.distcp" for r in range(world)] + [".metadata"]
+    for name in names:
+        # The shared files (small files, metadata) hold the same bytes on every node, as the ranks send them.
+        shared = name.endswith("_1.distcp") or name == ".metadata"
+        seed = f"{name}-{step}" if shared else f"{name}-{step}-{node}"
+        # Shards past SMALL_FILE_BYTES, as real ones: a size check does not read them, the copy does.
+        (partial.path / name).write_bytes(seed.encode() * (100 if shared else (2 << 20) // len(seed)))
+    records = store.describe_files(partial.path, names)
+    return partial.commit(world, records, extra={"tier": "local", "node": node, "nodes": sorted(ranks),
+                                                 "ranks": ranks})
+
+
+def replicator(tmp_path: Path, node: str, **kw) -> Replicator:
+    return Replicator(tmp_path / f"local-{node}", tmp_path / "durable", node, keep_local=kw.get("keep_local", 2),
+                      keep=3, outage_s=kw.get("outage_s", 3600.0))
+
+
+def test_two_nodes_parts_make_one_durable_checkpoint_valid_only_when_the_last_part_lands(tmp_path):
+    for node in NODES:
+        local_checkpoint(tmp_path / f"local-{node}", 10, node)
+    a, b = replicator(tmp_path, "a"), replicator(tmp_path, "b")
+    a._replicate(10)
+    partial = tmp_path / "durable" / store.partial_dirname(10)
+    assert (partial / PARTS / "a.json").exists() and not (tmp_path / "durable" / store.step_dirname(10)).exists()
+    assert not store.inspect(partial).valid
+    b._replicate(10)
+    final = store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True)
+    assert final.valid, final.reason
+    assert sorted(f.name for f in final.manifest.files) == sorted(
+        [f"__{r}_0.distcp" for r in range(4)] + [f"__{r}_1.distcp" for r in range(4)] + [".metadata"])
+    assert final.manifest.extra["tier"] == "durable" and not partial.exists()
+    assert b.state.bytes_copied < a.state.bytes_copied  # b found the shared files there: checked, not copied
+
+
+def test_a_damaged_local_copy_is_never_vouched_for(tmp_path):
+    local = local_checkpoint(tmp_path / "local-a", 10, "a")
+    data = local / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[::-1])  # same size, different bytes: passes the size check
+    with pytest.raises(ValueError, match="does not match its manifest's checksum"):
+        replicator(tmp_path, "a")._replicate(10)
+    partial = tmp_path / "durable" / store.partial_dirname(10)
+    assert not (partial / PARTS / "a.json").exists() and not (partial / "__0_0.distcp").exists()
+    small = local_checkpoint(tmp_path / "local-a", 20, "a")
+    (small / ".metadata").write_bytes((small / ".metadata").read_bytes()[::-1])  # small: found before copying
+    replicator(tmp_path, "a")._replicate(20)
+    assert not (tmp_path / "durable" / store.partial_dirname(20) / PARTS / "a.json").exists()
+
+
+def test_an_unwritable_durable_tier_is_retried_and_reported_and_local_copies_are_kept(tmp_path):
+    (tmp_path / "durable").write_text("not a folder")  # every write under it fails
+    for step in (10, 20, 30):
+        local_checkpoint(tmp_path / "local-a", step, "a")
+    r = replicator(tmp_path, "a", keep_local=1)
+    r.start()
+    try:
+        assert not r.drain(3.0)
+        snap = r.snapshot()
+        assert snap["pending"] == [10, 20, 30] and snap["failing_since"] is not None and snap["last_error"]
+        r._local_retention()
+        assert [i.step for i in store.scan(tmp_path / "local-a")] == [10, 20, 30]  # nothing durable: all kept
+        r.state.failing_since -= 7200  # past the outage limit: unreplicated ones may go, said loudly
+        r._local_retention()
+        assert [i.step for i in store.scan(tmp_path / "local-a")] == [30] and r.state.deleted_unreplicated == [10, 20]
+    finally:
+        r.stop()
+
+
+def test_a_restarted_replicator_finds_what_is_left_and_finishes_it(tmp_path):
+    local_checkpoint(tmp_path / "local-a", 10, "a")
+    local_checkpoint(tmp_path / "local-b", 10, "b")
+    replicator(tmp_path, "b")._replicate(10)
+    partial = tmp_path / "durable" / store.partial_dirname(10)
+    (partial / "__0_0.distcp").write_bytes(b"cut short")  # a's earlier try, killed mid-copy
+    (partial / ".__1_0.distcp.a.tmp").write_bytes(b"half")
+    a = replicator(tmp_path, "a")
+    assert a._unreplicated() == [10]
+    a._replicate(10)
+    assert store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True).valid
+    assert not list((tmp_path / "durable").glob("*.partial"))
+    assert a._unreplicated() == []
+
+
+def test_local_retention_keeps_the_newest_and_drops_older_ones_the_durable_tier_holds(tmp_path):
+    one_node = {"a": [0, 1]}  # a one-node save: this node's part is all the durable checkpoint needs
+    for step in (10, 20, 30):
+        local_checkpoint(tmp_path / "local-a", step, "a", one_node)
+    r = replicator(tmp_path, "a", keep_local=1)
+    r._replicate(10)
+    r._local_retention()
+    assert [i.step for i in store.scan(tmp_path / "local-a")] == [20, 30]  # 20 has no durable copy yet
+    r._replicate(20)
+    r._local_retention()
+    assert [i.step for i in store.scan(tmp_path / "local-a")] == [30]
+    assert [i.step for i in store.scan(tmp_path / "durable") if i.valid] == [10, 20]
+    truncate(tmp_path / "local-a" / store.step_dirname(30) / "__0_0.distcp")
+    assert r._unreplicated() == []  # a damaged local copy is not queued
