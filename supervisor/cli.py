@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from supervisor import __version__, render
-from supervisor.errors import ExitCode, ResilientError
+from supervisor.errors import ExitCode, ResilientError, UsageError
 
 app = typer.Typer(
     add_completion=False,
@@ -123,13 +123,17 @@ def gc(
     keep: int = typer.Option(..., "--keep", help="How many of the newest valid checkpoints to keep (≥ 1)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be removed; remove nothing."),
     as_json: bool = JSON,
+    keep_local: Optional[int] = typer.Option(  # noqa: UP045
+        None, "--keep-local", help="In each node-local tier: how many to keep (default: the job's keep_local)."),
 ) -> None:
     """Keep the N newest valid checkpoints; delete the rest and abandoned partial saves."""
 
     def body() -> int:
         from supervisor.commands import gc as gc_cmd
 
-        return gc_cmd.main(target, keep, dry_run, as_json)
+        if keep_local is not None and keep_local < 1:
+            raise UsageError(f"--keep-local {keep_local}: keep at least 1.")
+        return gc_cmd.main(target, keep, dry_run, as_json, keep_local)
 
     _guard(as_json, body)
 

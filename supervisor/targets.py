@@ -93,6 +93,35 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
     return Target(given, run_dir, path)
 
 
+def local_tiers(t: Target) -> list[tuple[str, Path]]:
+    """(node, root) of each node-local tier the run's supervisors report (`checkpoint.local_dir`), that this
+    machine can see. Node-local by nature, so outside the run dir: used as recorded, and always named."""
+    if t.run_dir is None:
+        return []
+    from supervisor import state
+
+    found = []
+    for path in layout.state_files(t.run_dir):
+        try:
+            rec = state.read(path)
+        except state.StateFileError:
+            continue
+        root = (rec.replication or {}).get("local_root")
+        if root and Path(root).is_dir():
+            found.append((rec.node or rec.supervisor.get("host") or "node", Path(root)))
+    return found
+
+
+def keep_local_of(t: Target) -> int:
+    """The job's `checkpoint.keep_local` (2 when the run dir does not say)."""
+    from supervisor.fsutil import read_json
+
+    try:
+        return int(read_json(t.run_dir / layout.JOB_FILE)["job"]["checkpoint"]["keep_local"])  # type: ignore[operator]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 2
+
+
 def state_files(t: Target) -> list[Path]:
     """The run's state files (every node's); the "no run here" usage error when there is none."""
     files = layout.state_files(t.run_dir) if t.run_dir is not None else []

@@ -22,6 +22,7 @@ class GcResult:
     plan: retention.Plan
     dry_run: bool
     applied: retention.Applied | None  # None for a dry run
+    local: list[tuple[str, GcResult]] | None = None  # each node-local tier's own result
 
     @property
     def removed(self) -> list[retention.Removal]:
@@ -37,7 +38,8 @@ class GcResult:
 
     @property
     def exit_code(self) -> ExitCode:
-        return ExitCode.FAILED if self.failed else ExitCode.OK
+        failed = self.failed or any(r.failed for _, r in self.local or [])
+        return ExitCode.FAILED if failed else ExitCode.OK
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -50,6 +52,8 @@ class GcResult:
         }
         if self.failed:
             doc["failed"] = [{**r.to_dict(), "why": why} for r, why in self.failed]
+        if self.local:
+            doc["local_tiers"] = [{"node": node, **r.to_json()} for node, r in self.local]
         return doc
 
     def render(self) -> None:
@@ -67,6 +71,9 @@ class GcResult:
         if self.failed:
             line += f"; {len(self.failed)} folder(s) could not be removed"
         render.out.print(line, markup=False)
+        for node, r in self.local or []:
+            render.out.print(f"local tier of node {node}: {r.root}", markup=False, soft_wrap=True)
+            r.render()
 
 
 def _name(r: retention.Removal) -> str:
@@ -77,7 +84,7 @@ def owner_alive(run_dir: Path | None) -> bool:
     return run_dir is not None and any(lock.holder(d) for d in [run_dir, *layout.node_dirs(run_dir)])
 
 
-def main(target: str | None, keep: int, dry_run: bool, as_json: bool) -> int:
+def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local: int | None = None) -> int:
     if keep < 1:
         raise UsageError(f"--keep {keep}: keep at least 1 (the newest valid checkpoint is never deleted).")
     t = targets.resolve(target)
@@ -91,13 +98,31 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool) -> int:
         render.out.print(note, markup=False, soft_wrap=True)
     infos = store.scan(root, quarantined=True) if root is not None else []
     plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=owner_alive(t.run_dir))
+    local = []
+    durable = {i.step for i in infos if i.valid}
+    for node, lroot in targets.local_tiers(t):  # planned before anything is deleted anywhere
+        lplan = retention.plan(lroot, store.scan(lroot, quarantined=True), keep_local or targets.keep_local_of(t),
+                               owner_alive=owner_alive(t.run_dir))
+        local.append((node, lroot, _protect_unreplicated(lplan, durable)))
     applied = None
     if not dry_run:
-        problem = write_problem(t.checkpoint_root) if plan.remove else None
-        if problem is not None:
-            raise UsageError(f"{t.checkpoint_root}: cannot delete there ({problem}); nothing was removed. "
-                             "Make it writable (remount it read-write) and run gc again.")
+        for folder, p in [(t.checkpoint_root, plan), *((lroot, lplan) for _, lroot, lplan in local)]:
+            problem = write_problem(folder) if p.remove else None
+            if problem is not None:
+                raise UsageError(f"{folder}: cannot delete there ({problem}); nothing was removed. "
+                                 "Make it writable (remount it read-write) and run gc again.")
         applied = retention.apply(plan)
-    result = GcResult(t.checkpoint_root, plan, dry_run, applied)
+    result = GcResult(t.checkpoint_root, plan, dry_run, applied,
+                      [(node, GcResult(lroot, lplan, dry_run, None if dry_run else retention.apply(lplan)))
+                       for node, lroot, lplan in local])
     render.emit(result, as_json)
     return result.exit_code
+
+
+def _protect_unreplicated(plan: retention.Plan, durable: set[int]) -> retention.Plan:
+    """A local checkpoint the durable tier does not hold is kept, whatever the count: it may be the only copy."""
+    valid = {c.step for c in plan.kept} | {r.step for r in plan.remove if r.why.startswith("older than")}
+    keep = [r for r in plan.remove if r.step in valid and r.step not in durable]
+    spared = [*plan.spared, *((store.inspect(r.path), "no durable copy yet: the supervisor is still copying it, or "
+                               "the durable tier failed") for r in keep)]
+    return retention.Plan(plan.kept, [r for r in plan.remove if r not in keep], spared)

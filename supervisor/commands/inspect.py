@@ -22,6 +22,7 @@ class InspectResult:
     verified: bool
     step: int | None = None  # --step: only that step's folders are listed
     note: str | None = None  # names a checkpoint root outside the run dir
+    local: list[tuple[str, Path, list[CheckpointInfo]]] | None = None  # each node-local tier: node, root, folders
 
     @property
     def latest_valid(self) -> CheckpointInfo | None:
@@ -44,8 +45,13 @@ class InspectResult:
             "latest_valid_step": latest.step if latest else None,
             "verified": self.verified,
             "selected_step": self.selected.step if self.selected else None,
-            "checkpoints": [c.to_dict() for c in self.listed],
-        }
+            "checkpoints": [{**c.to_dict(), "tier": "durable"} for c in self.listed],
+        } | ({"local_tiers": [
+            {"node": node, "root": str(root),
+             "latest_valid_step": next((c.step for c in reversed(infos) if c.valid), None),
+             "checkpoints": [{**c.to_dict(), "tier": "local", "node": node} for c in infos
+                             if self.step is None or c.step == self.step]}
+            for node, root, infos in self.local]} if self.local else {})
 
     def render(self) -> None:
         if self.note:
@@ -62,16 +68,28 @@ class InspectResult:
             how = f"step {self.selected.step}'s checksums verified, the others' sizes checked"
         # The head is its own line: a table's title wraps at the table's width, however wide the output.
         render.out.print(f"{self.root} — {head} ({how})", soft_wrap=True)
+        for node, root, infos in self.local or []:
+            newest = next((c.step for c in reversed(infos) if c.valid), None)
+            render.out.print(f"local tier of node {node}: {root} — latest valid: step {newest}", markup=False,
+                             soft_wrap=True)
         table = Table(box=None, pad_edge=False)
-        for col, justify in (("STEP", "right"), ("STATUS", "left"), ("SIZE", "right"), ("FILES", "right"),
-                             ("WORLD", "right"), ("CREATED", "left"), ("REASON", "left")):
+        columns = [("STEP", "right"), ("STATUS", "left"), ("SIZE", "right"), ("FILES", "right"), ("WORLD", "right"),
+                   ("CREATED", "left"), ("REASON", "left")]
+        if self.local:
+            columns.insert(1, ("TIER", "left"))
+        for col, justify in columns:
             table.add_column(col, justify=justify)
-        for c in self.listed:
+        rows = [("durable", c) for c in self.listed] + [
+            (f"local:{node}", c) for node, _, infos in self.local or [] for c in infos
+            if self.step is None or c.step == self.step]
+        for tier, c in sorted(rows, key=lambda r: (r[1].step, r[0] != "durable")):
             name = f"{c.step}" + (" (partial)" if c.partial else " (quarantined)" if c.quarantined else "")
             mark = " ◀" if self.selected is not None and c.path == self.selected.path else ""
-            table.add_row(name, render.styled(c.status.value), render.human_bytes(c.size_bytes),
-                          str(c.files), str(c.world_size or "-"), render.local_time(c.created_at),
-                          c.reason + mark)
+            cells = [name, render.styled(c.status.value), render.human_bytes(c.size_bytes), str(c.files),
+                     str(c.world_size or "-"), render.local_time(c.created_at), c.reason + mark]
+            if self.local:
+                cells.insert(1, tier)
+            table.add_row(*cells)
         render.out.print(table)
 
 
@@ -107,7 +125,10 @@ def collect(target: str | None, step: int | None, verify: bool) -> InspectResult
         mine = [i for i in infos if i.step == step]
         committed = [i for i in mine if not i.partial and not i.quarantined]
         selected = (committed or mine)[-1]
-    return InspectResult(t.checkpoint_root, infos, selected, verify, step, t.root_note())
+    local = [(node, lroot, [store.inspect(d, deep=verify and (step is None or int(d.name[5:14]) == step))
+                            for d in store.checkpoint_dirs(lroot, quarantined=True)])
+             for node, lroot in targets.local_tiers(t)]
+    return InspectResult(t.checkpoint_root, infos, selected, verify, step, t.root_note(), local)
 
 
 def main(target: str | None, step: int | None, verify: bool, as_json: bool) -> int:
