@@ -22,6 +22,7 @@ from supervisor.errors import ConfigError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")  # a file name and a rendezvous id: kept well under 255 bytes
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+HOST_RE = re.compile(r"^[A-Za-z0-9.:_-]{1,253}$")  # a host name, an IPv4 or an IPv6 address
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 NNODES_RANGE_RE = re.compile(r"^(\d+):(\d+)$")
 DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")
@@ -56,6 +57,10 @@ class RdzvConfig:
     """The rendezvous id; defaults to the job name."""
     conf: Mapping[str, str] = field(default_factory=dict)
     """Extra `--rdzv-conf` entries, e.g. {last_call_timeout: 5, join_timeout: 600}."""
+    local_addr: str | None = None
+    """This node's address in the rendezvous (torchrun's --local-addr); defaults to its host name. The
+    rendezvous numbers the nodes in the order of their addresses, so a node keeps its ranks (and can read its
+    local checkpoint tier) while the set of nodes is unchanged. Several nodes on one host need one each."""
 
 
 @dataclass(frozen=True)
@@ -423,6 +428,7 @@ SCHEMA: dict[str, Any] = {
         "endpoint": _optional(_endpoint),
         "id": _optional(_string(NAME_RE, "letters, digits, '.', '_' or '-'")),
         "conf": _str_map(),
+        "local_addr": _optional(_string(HOST_RE, "a host name or IP address, e.g. 127.0.0.2")),
     },
     "env": _str_map(ENV_NAME_RE),
     "checkpoint": {
@@ -644,6 +650,7 @@ def build_job(root: _Loc, path: Path) -> JobConfig:
         endpoint=rd.get("endpoint"),
         id=rd.get("id") or name,
         conf=rd.get("conf", {}),
+        local_addr=rd.get("local_addr"),
     )
     nnodes = values.get("nnodes", "1")
     if nnodes != "1" and rdzv.endpoint is None:

@@ -57,6 +57,8 @@ def torchrun_argv(cfg: JobConfig, spec: AttemptSpec, *, python: str = sys.execut
                  "--rdzv-id", spec.rdzv_id or cfg.rdzv.id]
         if cfg.rdzv.conf:
             argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in cfg.rdzv.conf.items())]
+        if cfg.rdzv.local_addr:
+            argv += ["--local-addr", cfg.rdzv.local_addr]
     argv += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
              "--shutdown-timeout", str(int(cfg.stop_timeout_s)),
              "--log-dir", str(spec.logs_dir / "ranks"), "--redirects", "3"]

@@ -47,7 +47,7 @@ def test_durations_paths_and_elastic_ranges(tmp_path):
         run_dir: out/run
         entrypoint: {script: train.py}
         nnodes: 1:4
-        rdzv: {endpoint: "127.0.0.1:29400", conf: {last_call_timeout: 5}}
+        rdzv: {endpoint: "127.0.0.1:29400", conf: {last_call_timeout: 5}, local_addr: 10.0.0.7}
         heartbeat: {interval_s: 500ms, timeout_s: 2m, startup_timeout_s: 1h, stall_factor: 10}
         checkpoint: {interval_steps: auto, dir: /tmp/ck, expected_mtbf_s: 30m}
         collective_timeout_s: 90s
@@ -62,7 +62,7 @@ def test_durations_paths_and_elastic_ranges(tmp_path):
     assert job.checkpoint.auto and job.checkpoint.expected_mtbf_s == 1800 and job.checkpoint.dir == Path("/tmp/ck")
     assert job.collective_timeout_s == 90.0
     assert job.env == {"OMP_NUM_THREADS": "1", "DEBUG": "1"}
-    assert job.rdzv.conf == {"last_call_timeout": "5"}
+    assert job.rdzv.conf == {"last_call_timeout": "5"} and job.rdzv.local_addr == "10.0.0.7"
 
 
 def test_set_overrides_apply_before_validation(tmp_path):

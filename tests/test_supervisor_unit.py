@@ -346,6 +346,9 @@ def test_multinode_argv_uses_the_rendezvous(tmp_path):
     # Prewarmed workers: torchrun starts the client, which takes the entry point and its args as they were.
     warm = torchrun_argv(cfg, spec, python="py", max_restarts=7, prewarmed=True)
     assert warm[:-3] == argv[:-1] and warm[-3:] == ["-m", "supervisor.prewarm_client", str(tmp_path / "t.py")]
+    # A node's own rendezvous address (several nodes on one host, or a multi-homed host) reaches torchrun.
+    pinned = torchrun_argv(load_job(job, ["rdzv.local_addr=127.0.0.2"]), spec, python="py", max_restarts=7)
+    assert pinned[15:17] == ["--local-addr", "127.0.0.2"] and pinned[17:19] == ["--max-restarts", "7"]
 
 
 def test_failing_attempts_spend_the_budget_and_exit_1(tmp_path, cli, monkeypatch):
