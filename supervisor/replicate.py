@@ -64,9 +64,10 @@ class ReplicationState:
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
+        behind = self.newest_local is not None and (self.newest_durable is None or
+                                                     self.newest_local > self.newest_durable)
         d["lag_steps"] = (None if self.newest_local is None else
-                          self.newest_local - (self.newest_durable or 0) if self.newest_local > (self.newest_durable
-                                                                                               or -1) else 0)
+                          self.newest_local - (self.newest_durable or 0) if behind else 0)
         d["lag_s"] = (round(max(0.0, self.newest_local_at - self.newest_durable_at), 2)
                       if self.newest_local_at and self.newest_durable_at else None)
         return d
@@ -88,6 +89,7 @@ class Replicator:
         self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, name="resilient-replicate", daemon=True)
         self._pause = float(os.environ.get(PAUSE_ENV) or 0.0)
+        self._failures = 0  # copies failed in this process, ever
 
     # ---- called by the supervisor ----------------------------------------------------------------------
 
@@ -106,13 +108,15 @@ class Replicator:
         self._wake.set()
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until nothing is queued (or `timeout_s` passed); True when everything got its durable copy."""
+        """Wait until nothing is queued, `timeout_s` passed, or a copy failed once more while waiting (a durable
+        tier that is down does not hold the exit for long); True when everything got its durable copy."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        failures = self._failures
+        while time.monotonic() < deadline and self._failures == failures:
             with self._lock:
                 if not self._queue:
                     return True
-            self._wake.set()
+            self._wake.set()  # a retry now, not after its backoff
             self._idle.wait(0.1)
         with self._lock:
             return not self._queue
@@ -122,6 +126,10 @@ class Replicator:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        if not self._thread.is_alive():  # the last copies' retention and the final numbers for the state file
+            with contextlib.suppress(Exception):
+                self._local_retention()
+                self._refresh()
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -160,6 +168,7 @@ class Replicator:
                 self._refresh()
 
     def _failed(self, step: int, error: Exception) -> None:
+        self._failures += 1
         reason = f"{type(error).__name__}: {error}" if not isinstance(error, OSError) or not error.strerror else \
             f"{error.strerror} ({getattr(error, 'filename', '') or self.durable_root})"
         first = self.state.failing_since is None
@@ -225,13 +234,17 @@ class Replicator:
         h = store.hasher(algorithm)
         buf = bytearray(min(CHUNK, max(rec.size, 1)))
         view = memoryview(buf)
-        with open(src, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
-            while n := fin.readinto(buf):
-                h.update(view[:n])
-                chunk = view[:n]
-                while chunk:
-                    chunk = chunk[fout.write(chunk):]
-            os.fsync(fout.fileno())
+        try:
+            with open(src, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
+                while n := fin.readinto(buf):
+                    h.update(view[:n])
+                    chunk = view[:n]
+                    while chunk:
+                        chunk = chunk[fout.write(chunk):]
+                os.fsync(fout.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk gets its room back
+            raise
         if h.hexdigest() != rec.checksum:
             tmp.unlink(missing_ok=True)
             raise ValueError(f"{src} does not match its manifest's checksum: the local copy is damaged")

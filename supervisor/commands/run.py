@@ -41,10 +41,12 @@ def check_entrypoint(cfg: JobConfig) -> None:
 def check_writable(cfg: JobConfig, layout: RunLayout) -> None:
     """A run dir or checkpoint root that cannot be written is a configuration error: one sentence, exit 2,
     before anything is created or launched (a read-only mount stops root too; chmod does not)."""
+    local = cfg.checkpoint.local_root(layout.node or socket.gethostname())
     for folder, what, fix in ((layout.run_dir, "the run dir", "pick another --run-dir"),
                               (layout.node_dir, "the run dir", "pick another --run-dir"),
-                              (cfg.checkpoint.dir, "the checkpoint root", "set checkpoint.dir to a writable folder")):
-        problem = write_problem(folder)
+                              (cfg.checkpoint.dir, "the checkpoint root", "set checkpoint.dir to a writable folder"),
+                              (local, "the local checkpoint tier", "set checkpoint.local_dir to a writable folder")):
+        problem = write_problem(folder) if folder is not None else None
         if problem is not None:
             raise ConfigError(f"{folder}: {what} cannot be written ({problem}); nothing was launched. Make it "
                               f"writable (remount it read-write), or {fix}.")
@@ -99,7 +101,9 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     check_entrypoint(cfg)
     layout = RunLayout(cfg.run_dir, node_name(cfg, node))
     check_writable(cfg, layout)
-    with RunLock(layout.node_dir), RootClaim(cfg.checkpoint.dir, cfg.run_dir):
+    local = cfg.checkpoint.local_root(layout.node or socket.gethostname())
+    with RunLock(layout.node_dir), RootClaim(cfg.checkpoint.dir, cfg.run_dir), \
+            RootClaim(local, cfg.run_dir) if local is not None else contextlib.nullcontext():
         console = EventConsole(cfg.name)
         if not inside(cfg.checkpoint.dir, cfg.run_dir):
             console.event(f"checkpoint root {cfg.checkpoint.dir} (outside the run dir, as checkpoint.dir says)")

@@ -92,6 +92,7 @@ class StatusResult:
             d["nodes"] = [{"node": n.record.node, "state": n.effective_state.value,
                            "supervisor_alive": n.supervisor_alive, "attempt": n.record.attempt,
                            "restarts": n.record.restarts, "step": n.record.step,
+                           "replication": n.record.replication,
                            "history": self._history(n.record)} for n in self.nodes]
         return d
 
@@ -129,6 +130,12 @@ class StatusResult:
                 f"{n.record.restarts} restart(s){'' if n.supervisor_alive else ' (supervisor not running)'}"
                 for n in self.nodes))
         parts: list[Any] = [Text.from_markup(line) for line in lines]
+        current = rec.history[-1] if rec.history else None
+        if current is not None and current.resumed_tier:
+            parts.append(Text(f"resumed   step {current.resumed_from_step} from the {current.resumed_tier} tier"
+                              + (f" ({current.resumed_why})" if current.resumed_why else "")))
+        for n in self.nodes:
+            parts.extend(replication_lines(n, self.now, named=len(self.nodes) > 1))
         for q in rec.quarantined:  # set aside by the supervisor: the user should know, and may delete them
             parts.append(Text(f"set aside step {q.get('step')} as {q.get('path')}: {q.get('reason')}", style="yellow"))
         if rec.message and p.effective_state in (RunState.FAILED, RunState.STOPPED):
@@ -172,6 +179,31 @@ class StatusResult:
                 prefix = f"{n.record.node} " if multinode else ""
                 parts.extend(Text(prefix + line) for line in timeline.text_timeline(n.record, width=bar))
         return Group(*parts)
+
+
+def replication_lines(node: NodeStatus, now: float, *, named: bool) -> list[Text]:
+    """The two tiers of one node: newest local and durable step, the lag between them, a failing durable tier."""
+    r = node.record.replication
+    if not r:
+        return []
+    who = f" ({node.record.node})" if named else ""
+    local, durable = r.get("newest_local"), r.get("newest_durable")
+    lag = ""
+    if r.get("lag_steps"):
+        lag = f" · lag {r['lag_steps']} steps" + (f", {render.human_duration(r['lag_s'])}" if r.get("lag_s") else "")
+    elif local is not None:
+        lag = " · up to date"
+    pending = f" · copying {r['pending']}" if r.get("pending") else ""
+    out = [Text(f"tiers{who}  local step {'-' if local is None else local} · durable step "
+                f"{'-' if durable is None else durable}{lag}{pending}")]
+    if r.get("failing_since"):
+        since = render.human_duration(now - r["failing_since"]) if node.supervisor_alive else "when it stopped"
+        out.append(Text(f"the durable tier is FAILING for {since}: {r.get('last_error')}; checkpoints exist only "
+                        "on this node's local tier", style="bold red"))
+    if r.get("deleted_unreplicated"):
+        out.append(Text(f"deleted local step(s) {r['deleted_unreplicated']} that had no durable copy (the durable "
+                        "tier failed longer than checkpoint.durable_outage_s)", style="bold red"))
+    return out
 
 
 def collect(target: str | None) -> StatusResult:
