@@ -172,6 +172,9 @@ def _relative_paths(rec: RunRecord) -> None:
         return None if p is None else layout.recorded(layout.resolved(p, written_in), written_in)
 
     rec.checkpoint_dir = rel(rec.checkpoint_dir) or rec.checkpoint_dir
+    for key in ("local_root", "durable_root"):
+        if rec.replication.get(key):
+            rec.replication[key] = rel(rec.replication[key])
     for h in rec.history:
         h.log_dir = rel(h.log_dir)
     rec.run_dir = "."

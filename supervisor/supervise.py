@@ -453,7 +453,10 @@ class Supervisor:
             summary = self.accounting.summary(time.time())
             self.record.goodput = summary["goodput"]
             if self.replicator is not None:
-                self.record.replication = self.replicator.snapshot()
+                snap = self.replicator.snapshot()
+                for key in ("local_root", "durable_root"):  # relative when inside the run dir, as every path
+                    snap[key] = recorded(snap[key], self.cfg.run_dir)
+                self.record.replication = snap
             self.record.accounting = {"summary": summary, "ledger": self.accounting.to_dict()}
             state.write(self.layout.state_file, self.record)
             self._last_state_write = now

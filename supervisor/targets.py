@@ -95,7 +95,8 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
 
 def local_tiers(t: Target) -> list[tuple[str, Path]]:
     """(node, root) of each node-local tier the run's supervisors report (`checkpoint.local_dir`), that this
-    machine can see. Node-local by nature, so outside the run dir: used as recorded, and always named."""
+    machine can see. Inside the run dir it is recorded relative to it (a copied run dir acts on its own copy);
+    outside, as with an outside checkpoint root, it is used as recorded and always named."""
     if t.run_dir is None:
         return []
     from supervisor import state
@@ -106,9 +107,10 @@ def local_tiers(t: Target) -> list[tuple[str, Path]]:
             rec = state.read(path)
         except state.StateFileError:
             continue
-        root = (rec.replication or {}).get("local_root")
-        if root and Path(root).is_dir():
-            found.append((rec.node or rec.supervisor.get("host") or "node", Path(root)))
+        recorded = (rec.replication or {}).get("local_root")
+        root = layout.resolved(recorded, t.run_dir) if recorded else None
+        if root is not None and root.is_dir():
+            found.append((rec.node or rec.supervisor.get("host") or "node", root))
     return found
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -202,3 +203,55 @@ def test_status_watch_returns_when_the_run_is_over(tmp_path, cli):
     _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=60)
     r = cli("status", tmp_path, "--watch")
     assert r.exit_code == 0 and "tiny" in r.stdout and "succeeded" in r.stdout
+
+
+def test_inspect_and_gc_show_and_act_on_both_tiers(tmp_path, cli):
+    """A run dir whose nodes keep local tiers: node a's inside the run dir (recorded relative to it), node b's
+    outside (recorded as it is). inspect gives each tier a column; gc applies keep and keep_local, and never
+    deletes a local checkpoint the durable tier lacks."""
+    run_dir, nvme_b = tmp_path / "run", tmp_path / "nvme-b"
+    durable, local_a = run_dir / "checkpoints", run_dir / "local" / "a"
+    for step in (20, 40):
+        write_checkpoint(durable, step)
+    write_checkpoint(durable, 60, commit=False)  # being replicated
+    for step in (20, 40, 60):
+        write_checkpoint(local_a, step)
+        write_checkpoint(nvme_b, step)
+    write_checkpoint(local_a, 50)  # never replicated
+    flip_byte(nvme_b / "step_000000060" / ".metadata", 2)
+    for node, root in (("a", "local/a"), ("b", str(nvme_b))):
+        rec = state.RunRecord(name="tiers", run_dir=".", checkpoint_dir="checkpoints", node=node,
+                              state=state.RunState.SUCCEEDED,
+                              replication={"local_root": root, "durable_root": "checkpoints"})
+        (run_dir / "nodes" / node).mkdir(parents=True)
+        state.write(run_dir / "nodes" / node / "state.json", rec)
+
+    r = cli("inspect-checkpoint", run_dir)
+    assert r.exit_code == 0, r.output
+    head = next(line for line in r.stdout.splitlines() if "STEP" in line).split()
+    assert head[:4] == ["STEP", "DURABLE", "LOCAL:a", "LOCAL:b"], head
+    rows = {line.split()[0]: line.split()[1:4] for line in r.stdout.splitlines() if line.split()[:1] in
+            (["20"], ["40"], ["50"], ["60"])}
+    assert rows == {"20": ["valid"] * 3, "40": ["valid"] * 3, "50": ["-", "valid", "-"],
+                    "60": ["incomplete", "(partial)", "valid"]}, rows
+    assert f"local tier of node b: {nvme_b}" in r.stdout  # a tier outside the run dir is named
+    doc = json.loads(cli("inspect-checkpoint", run_dir, "--json").stdout)
+    assert [c["tier"] for c in doc["checkpoints"]] == ["durable"] * 3
+    tiers = {t["node"]: t for t in doc["local_tiers"]}
+    assert tiers["a"]["root"] == str(local_a) and tiers["b"]["latest_valid_step"] == 40
+    assert [c["status"] for c in tiers["b"]["checkpoints"]] == ["valid", "valid", "corrupt"]
+
+    # A copy of the run dir sees its own copy of node a's tier, and node b's outside one as recorded.
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    doc = json.loads(cli("inspect-checkpoint", copy, "--json").stdout)
+    assert {t["node"]: t["root"] for t in doc["local_tiers"]} == {"a": str(copy / "local" / "a"), "b": str(nvme_b)}
+
+    doc = json.loads(cli("gc", run_dir, "--keep", "1", "--keep-local", "1", "--json").stdout)
+    assert doc["kept"] == [40] and sorted(x["step"] for x in doc["removed"]) == [20, 60]  # 60: an abandoned partial
+    local = {t["node"]: t for t in doc["local_tiers"]}
+    assert sorted(x["step"] for x in local["a"]["removed"]) == [20, 40]
+    assert [(x["step"], x["why"].split(":")[0]) for x in local["a"]["spared"]] == [(50, "no durable copy yet")]
+    assert sorted(x["step"] for x in local["b"]["removed"]) == [20, 60]  # 60 is corrupt: 40 is b's newest valid
+    assert sorted(p.name for p in local_a.iterdir()) == ["step_000000050", "step_000000060"]
+    assert sorted(p.name for p in nvme_b.iterdir()) == ["step_000000040"]

@@ -72,25 +72,58 @@ class InspectResult:
             newest = next((c.step for c in reversed(infos) if c.valid), None)
             render.out.print(f"local tier of node {node}: {root} — latest valid: step {newest}", markup=False,
                              soft_wrap=True)
-        table = Table(box=None, pad_edge=False)
-        columns = [("STEP", "right"), ("STATUS", "left"), ("SIZE", "right"), ("FILES", "right"), ("WORLD", "right"),
-                   ("CREATED", "left"), ("REASON", "left")]
-        if self.local:
-            columns.insert(1, ("TIER", "left"))
-        for col, justify in columns:
-            table.add_column(col, justify=justify)
-        rows = [("durable", c) for c in self.listed] + [
-            (f"local:{node}", c) for node, _, infos in self.local or [] for c in infos
-            if self.step is None or c.step == self.step]
-        for tier, c in sorted(rows, key=lambda r: (r[1].step, r[0] != "durable")):
-            name = f"{c.step}" + (" (partial)" if c.partial else " (quarantined)" if c.quarantined else "")
-            mark = " ◀" if self.selected is not None and c.path == self.selected.path else ""
-            cells = [name, render.styled(c.status.value), render.human_bytes(c.size_bytes), str(c.files),
-                     str(c.world_size or "-"), render.local_time(c.created_at), c.reason + mark]
-            if self.local:
-                cells.insert(1, tier)
-            table.add_row(*cells)
+        table = self._tiers_table() if self.local else self._table()
         render.out.print(table)
+
+    def _name(self, c: store.CheckpointInfo) -> str:
+        mark = " ◀" if self.selected is not None and c.path == self.selected.path else ""
+        return f"{c.step}" + (" (partial)" if c.partial else " (quarantined)" if c.quarantined else "") + mark
+
+    def _table(self) -> Table:
+        table = Table(box=None, pad_edge=False)
+        for col, justify in (("STEP", "right"), ("STATUS", "left"), ("SIZE", "right"), ("FILES", "right"),
+                             ("WORLD", "right"), ("CREATED", "left"), ("REASON", "left")):
+            table.add_column(col, justify=justify)
+        for c in self.listed:
+            table.add_row(self._name(c), render.styled(c.status.value), render.human_bytes(c.size_bytes), str(c.files),
+                          str(c.world_size or "-"), render.local_time(c.created_at), c.reason)
+        return table
+
+    def _tiers_table(self) -> Table:
+        """One row per step, a status column per tier: the durable one, then each node's local one. A tier that
+        holds two folders of one step (a quarantined one beside a new save) gives the step a second row."""
+        tiers: list[tuple[str, list[store.CheckpointInfo]]] = [("DURABLE", self.listed)] + [
+            (f"LOCAL:{node}", [c for c in infos if self.step is None or c.step == self.step])
+            for node, _, infos in self.local or []]
+        by_step: dict[int, list[dict[str, store.CheckpointInfo]]] = {}
+        for tier, infos in tiers:
+            for c in infos:
+                rows = by_step.setdefault(c.step, [])
+                row = next((r for r in rows if tier not in r), None)
+                if row is None:
+                    rows.append(row := {})
+                row[tier] = c
+        table = Table(box=None, pad_edge=False)
+        table.add_column("STEP", justify="right")
+        for tier, _ in tiers:
+            table.add_column(tier)
+        for col, justify in (("SIZE", "right"), ("WORLD", "right"), ("CREATED", "left"), ("REASON", "left")):
+            table.add_column(col, justify=justify)
+        for step in sorted(by_step):
+            for row in by_step[step]:
+                first = row.get("DURABLE") or next(iter(row.values()))
+                marks = [c for c in row.values() if self.selected is not None and c.path == self.selected.path]
+                cells = [f"{step}" + (" ◀" if marks else "")]
+                for tier, _ in tiers:
+                    c = row.get(tier)
+                    kind = " (partial)" if c is not None and c.partial else \
+                        " (quarantined)" if c is not None and c.quarantined else ""
+                    cells.append("-" if c is None else render.styled(c.status.value) + kind)
+                reasons = [f"{tier.lower()}: {c.reason}" for tier, c in row.items() if c.reason]
+                cells += [render.human_bytes(first.size_bytes), str(first.world_size or "-"),
+                          render.local_time(first.created_at), "; ".join(reasons)]
+                table.add_row(*cells)
+        return table
 
 
 def _verify_progress(paths: list[Path]) -> Progress | None:
