@@ -1,0 +1,370 @@
+"""The two checkpoint tiers measured against each other in one run: a node-local tier on tmpfs, replicated by the
+supervisor's `Replicator`, against saving straight to the durable tier (`checkpoint.dir` on this machine's disk).
+
+    python bench/tiers.py                       # CPU: 1 GB of state over 2 gloo ranks, local tier in /dev/shm
+    python bench/tiers.py --gb 2 --saves 6 --local /mnt/nvme --tmp /shared/fs   # a cluster node
+
+One torchrun job that this script launches itself, and a `Replicator` in this (torch-free) process, as the
+supervisor runs it: it copies each checkpoint the ranks commit to the local tier into the durable tier, verified
+against the manifest. Each rank builds an FSDP2 GPT (`train_entry.model`) whose fp32 parameters + AdamW moments
+come to `--gb` GB over all ranks, then alternates saves to the two tiers, training all the while:
+
+- training-visible cost of one save: the blocking part plus the extra time of the steps that ran beside it (their
+  time over the steady step's), counted until the save's work is over: until the commit for a save straight to
+  the durable tier; until the durable copy is committed too for a save to the local tier (so the replication's
+  share of the machine counts against the local tier);
+- replication lag: local commit → durable commit, seconds and the steps trained meanwhile. A replaced node loses
+  at most one interval plus these steps (tests/test_tiers_e2e.py shows it with a real node loss);
+- relaunch load of the same checkpoint from each tier, with the page cache dropped before the durable read
+  (`/proc/sys/vm/drop_caches` as root; else posix_fadvise DONTNEED on the files, and the report says so);
+- replication throughput: the `Replicator` copying one checkpoint (idle machine) against a plain copy of the same
+  files (read, write, fsync each), and the bytes/second it achieved beside training.
+
+Prints a markdown table and writes bench/results/tiers.json. Timings on a shared machine are noisy: compare
+figures from the same run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from checkpoint_save import evict, model_config
+
+from supervisor import store
+
+RESULTS = Path(__file__).resolve().parent / "results"
+NODE = "bench"
+
+
+def drop_page_cache(files: list[Path]) -> str:
+    """Drop the page cache: the whole of it when this process may (root), else these files' pages."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return "drop_caches"
+    except OSError:
+        evict(files)
+        return "fadvise"
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from train_entry import dist as dist_util
+    from train_entry.checkpoint import Checkpointer
+    from train_entry.model import GPT
+    from train_entry.state import TrainState
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    dist_util.die_with_parent()
+    ctx = dist_util.init(args.collective_timeout_s, args.device)
+    group, rank = ctx.ckpt_group, ctx.rank
+    direct_root, durable, local = Path(args.root) / "direct", Path(args.root) / "durable", Path(args.local_root)
+    cfg = model_config(args.gb, args.layers)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(ctx.device)
+    for block in model.blocks:
+        fully_shard(block, mesh=ctx.mesh)
+    fully_shard(model, mesh=ctx.mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    state = TrainState(model, optimizer)
+    gen = torch.Generator().manual_seed(1 + rank)
+    sync_device = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+
+    def train_step() -> float:
+        t = time.monotonic()
+        x = torch.randint(cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen).to(ctx.device)
+        (model(x, x) / x.numel()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync_device()
+        state.step += 1
+        return time.monotonic() - t
+
+    def everyone_agrees(flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], device=ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)  # the training group: the save's thread uses the checkpoint one
+        return bool(t.item())
+
+    def durable_copy(step: int) -> bool:
+        final = durable / store.step_dirname(step)
+        return final.is_dir() and store.inspect(final).valid
+
+    direct = Checkpointer(direct_root, ctx, async_save=True)
+    tiered = Checkpointer(local, ctx, async_save=True, durable_root=durable, node=NODE)
+    sd_fn = lambda: state.state_dict(rank, ctx.device)  # noqa: E731
+
+    def one_save(ckpt: Checkpointer, replicated: bool) -> dict[str, Any]:
+        """One async save, training until its work is over (committed; and copied to durable, if tiered)."""
+        state.step += 1
+        dist.barrier(group=group)
+        saved = state.step
+        t0 = time.monotonic()
+        blocking = ckpt.save(saved, sd_fn, sync=False)
+        during, committed_at = [], None
+        while True:  # every rank takes the same branches: each decision is agreed
+            if committed_at is None and everyone_agrees(ckpt._thread is None or not ckpt._thread.is_alive()):
+                committed_at, steps_at_commit = time.monotonic(), len(during)
+            if committed_at is not None and everyone_agrees(not replicated or durable_copy(saved)):
+                break
+            during.append(train_step())
+        ckpt.wait()
+        done = time.monotonic()
+        return {"step": saved, "blocking_s": blocking, "steps_s": during, "to_commit_s": committed_at - t0,
+                "lag_s": done - committed_at, "lag_steps": len(during) - steps_at_commit}
+
+    for _ in range(3):  # AdamW state exists from the first; the allocator settles over the next
+        train_step()
+    steady = [train_step() for _ in range(args.steps)]
+    one_save(direct, False)  # each checkpointer allocates its staging arena on its first save: not counted
+    one_save(tiered, True)
+    saves: dict[str, list[dict[str, Any]]] = {"direct": [], "tiered": []}
+    for _ in range(args.saves):  # alternated, so both see the same drift of a shared machine
+        saves["direct"].append(one_save(direct, False))
+        saves["tiered"].append(one_save(tiered, True))
+    steady += [train_step() for _ in range(args.steps)]
+
+    # ---- loads of the same checkpoint (the last tiered save) from each tier, the durable one from a cold cache
+    step = saves["tiered"][-1]["step"]
+    paths = {"local": local / store.step_dirname(step), "durable": durable / store.step_dirname(step)}
+    loads: dict[str, list[float]] = {"local": [], "durable": []}
+    how = None
+    for _ in range(args.loads):
+        for tier, path in paths.items():
+            if tier == "durable" and ctx.local_rank == 0:
+                how = drop_page_cache(sorted(path.glob("*")))
+            dist.barrier(group=group)
+            t0 = time.monotonic()
+            sd = tiered.load(path, lambda keys: state.template(rank, keys, world_size=ctx.world_size))
+            state.load(sd, rank, ctx.device, 0, world_size=ctx.world_size)
+            sync_device()
+            dist.barrier(group=group)
+            loads[tier].append(time.monotonic() - t0)
+    mine = {"rank": rank, "params": sum(p.numel() for p in model.parameters()), "config": vars(cfg),
+            "steady_steps_s": steady, "saves": saves, "loads": loads, "cache_drop": how,
+            "checkpoint_bytes": store.inspect(paths["durable"]).manifest.total_bytes}
+    gathered: list[Any] | None = [None] * ctx.world_size if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0, group=group)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+# ---- this process: the replicator beside the job, then the idle copy comparison ------------------------------
+
+
+def replicate_beside(local: Path, durable: Path, stop: threading.Event, keep: int) -> Any:
+    """The supervisor's part: a Replicator told of every checkpoint the ranks commit to the local tier."""
+    from supervisor.replicate import Replicator
+
+    rep = Replicator(local, durable, NODE, keep_local=2, keep=keep, outage_s=3600,
+                     announce=lambda text, style: None)
+    rep.start()
+
+    def watch() -> None:
+        told: set[int] = set()
+        while not stop.wait(0.05):
+            for path in store.checkpoint_dirs(local) if local.is_dir() else []:
+                info = store.inspect(path)
+                if info.valid and info.step not in told:
+                    told.add(info.step)
+                    rep.notify(info.step)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return rep
+
+
+def plain_copy(src: Path, dest: Path) -> int:
+    dest.mkdir(parents=True)
+    total = 0
+    for f in sorted(p for p in src.iterdir() if p.is_file()):
+        with open(f, "rb") as fin, open(dest / f.name, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 8 << 20)
+            fout.flush()
+            os.fsync(fout.fileno())
+            total += fout.tell()
+    return total
+
+
+def replication_vs_copy(local: Path, scratch: Path, trials: int) -> dict[str, Any]:
+    """The Replicator's copy of the newest local checkpoint into an empty durable tier, against a plain copy."""
+    from supervisor.replicate import Replicator
+
+    newest = store.latest_valid(local)
+    assert newest is not None, f"no valid checkpoint in {local}"
+    nbytes = newest.manifest.total_bytes
+    rep_s, copy_s = [], []
+    def replicate(i: int) -> None:
+        dest = scratch / f"durable-{i}"
+        dest.mkdir(parents=True)
+        rep = Replicator(local, dest, NODE, keep_local=99, keep=99, outage_s=3600, announce=lambda t, s: None)
+        os.sync()
+        t0 = time.monotonic()
+        rep._replicate(newest.step)  # what the replication thread runs for one step: copy, verify, commit
+        rep_s.append(time.monotonic() - t0)
+        assert store.inspect(dest / store.step_dirname(newest.step), deep=True).valid
+        shutil.rmtree(dest)
+
+    def copy(i: int) -> None:
+        os.sync()
+        t0 = time.monotonic()
+        plain_copy(local / store.step_dirname(newest.step), scratch / f"copy-{i}")
+        copy_s.append(time.monotonic() - t0)
+        shutil.rmtree(scratch / f"copy-{i}")
+
+    for i in range(trials):  # alternating which goes first: the VM's disk is cached by its host, and drifts
+        for run in (replicate, copy) if i % 2 == 0 else (copy, replicate):
+            run(i)
+    return {"bytes": nbytes, "replicate_s": rep_s, "plain_copy_s": copy_s}
+
+
+def summarise(ranks: list[dict[str, Any]], rep: dict[str, Any], beside: dict[str, Any], wall_s: float,
+              args: argparse.Namespace) -> dict[str, Any]:
+    med = statistics.median
+    steady = med(s for r in ranks for s in r["steady_steps_s"])
+
+    def arm(name: str) -> dict[str, Any]:
+        per = []
+        for i in range(len(ranks[0]["saves"][name])):
+            each = [r["saves"][name][i] for r in ranks]
+            slowest_steps = [max(v) for v in zip(*(e["steps_s"] for e in each), strict=True)]
+            extra = sum(slowest_steps) - steady * len(slowest_steps)
+            blocking = max(e["blocking_s"] for e in each)
+            per.append({"blocking_s": blocking, "steps_extra_s": extra, "cost_s": blocking + extra,
+                        "steps": len(slowest_steps), "to_commit_s": max(e["to_commit_s"] for e in each),
+                        "lag_s": max(e["lag_s"] for e in each), "lag_steps": max(e["lag_steps"] for e in each)})
+        return {k: med(p[k] for p in per) for k in per[0]} | {"each": per}
+
+    direct, tiered = arm("direct"), arm("tiered")
+    loads = {t: [max(v) for v in zip(*(r["loads"][t] for r in ranks), strict=True)] for t in ("local", "durable")}
+    gb = rep["bytes"] / 1e9
+    return {
+        "args": {k: str(v) for k, v in vars(args).items()}, "wall_s": round(wall_s, 1), "params": ranks[0]["params"],
+        "config": ranks[0]["config"], "checkpoint_bytes": ranks[0]["checkpoint_bytes"], "step_s_steady": steady,
+        "direct": direct, "tiered": tiered, "cost_ratio": tiered["cost_s"] / direct["cost_s"],
+        "load_local_s": med(loads["local"]), "load_durable_s": med(loads["durable"]),
+        "load_speedup": med(loads["durable"]) / med(loads["local"]), "cache_drop": ranks[0]["cache_drop"],
+        "replicate_s": med(rep["replicate_s"]), "plain_copy_s": med(rep["plain_copy_s"]),
+        "replicate_gb_per_s": gb / med(rep["replicate_s"]), "plain_copy_gb_per_s": gb / med(rep["plain_copy_s"]),
+        "replicate_vs_copy": med(rep["plain_copy_s"]) / med(rep["replicate_s"]),
+        "beside_training_gb_per_s": beside["bytes_copied"] / 1e9 / max(1e-9, beside["seconds_copying"]),
+        "raw": {"loads": loads, "replication": rep, "replicator_beside_training": beside},
+    }
+
+
+def report(o: dict[str, Any], args: argparse.Namespace) -> None:
+    c, d, t = o["config"], o["direct"], o["tiered"]
+    print(f"\n### Tiers: {o['params'] / 1e6:.1f}M params (GPT {c['n_layer']}×{c['n_embd']}), checkpoint "
+          f"{o['checkpoint_bytes'] / 1e9:.2f} GB, {args.ranks} rank(s) on {args.device}; local tier {args.local}, "
+          f"durable tier {args.tmp or tempfile.gettempdir()}\n")
+    print("| measure | local tier (then replicated) | straight to durable | ratio | goal |")
+    print("|---|---:|---:|---:|---|")
+    print(f"| training-visible cost of a save: blocking + extra step time beside it | {t['cost_s']:.3f} s "
+          f"({t['blocking_s']:.3f} + {t['steps_extra_s']:.3f}) | {d['cost_s']:.3f} s ({d['blocking_s']:.3f} + "
+          f"{d['steps_extra_s']:.3f}) | {o['cost_ratio']:.2f} | ≤ 0.33 |")
+    print(f"| steps beside a save (persist, + replication for the local tier) | {t['steps']:.0f} | {d['steps']:.0f}"
+          f" | | steady step {o['step_s_steady']:.3f} s |")
+    print(f"| save call → committed (local / durable) | {t['to_commit_s']:.2f} s | {d['to_commit_s']:.2f} s | "
+          f"{t['to_commit_s'] / d['to_commit_s']:.2f} | |")
+    print(f"| replication lag: local commit → durable commit | {t['lag_s']:.2f} s, {t['lag_steps']:.0f} steps | | |"
+          " a replaced node loses ≤ interval + lag |")
+    cold = "page cache dropped" if o["cache_drop"] == "drop_caches" else "files evicted with fadvise"
+    print(f"| relaunch load of the same checkpoint | {o['load_local_s']:.2f} s (tmpfs) | {o['load_durable_s']:.2f} s "
+          f"({cold}) | {o['load_speedup']:.1f}× faster | ≥ 3× |")
+    print(f"| replication of one checkpoint, idle machine / plain copy (read, write, fsync) | "
+          f"{o['replicate_s']:.2f} s ({o['replicate_gb_per_s']:.2f} GB/s) | {o['plain_copy_s']:.2f} s "
+          f"({o['plain_copy_gb_per_s']:.2f} GB/s) | {o['replicate_vs_copy']:.2f} | ≥ 0.7 |")
+    print(f"| replication beside training | {o['beside_training_gb_per_s']:.2f} GB/s | | | |")
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="resilient-bench-tiers-", dir=args.tmp))
+    local = Path(tempfile.mkdtemp(prefix="resilient-bench-local-", dir=args.local))
+    result = tmp / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
+           "--max-restarts", "0", str(Path(__file__).resolve()), *argv, "--worker", "--root", str(tmp),
+           "--local-root", str(local / "local"), "--result", str(result)]
+    stop = threading.Event()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        rep = replicate_beside(local / "local", tmp / "durable", stop, keep=2 * args.saves + 4)
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"stopping the job: still running after --timeout {args.timeout:.0f}s", file=sys.stderr)
+            return 124
+        finally:
+            stop.set()
+            rep.drain(30)
+            rep.stop()
+        if rc != 0:
+            print(f"torchrun exited {rc}", file=sys.stderr)
+            return rc
+        wall = time.monotonic() - t0
+        ranks = json.loads(result.read_text())
+        beside = rep.snapshot()
+        idle = replication_vs_copy(local / "local", tmp / "scratch", args.copies)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(local, ignore_errors=True)
+    out = summarise(ranks, idle, beside, wall, args)
+    report(out, args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"\nwrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gb", type=float, default=1.0, help="params + AdamW state over all ranks, GB (1e9 bytes)")
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks (the width follows from --gb)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--saves", type=int, default=4, help="timed saves per tier (after one untimed each)")
+    p.add_argument("--loads", type=int, default=3, help="timed loads per tier")
+    p.add_argument("--copies", type=int, default=6, help="replications and plain copies of one checkpoint, idle")
+    p.add_argument("--steps", type=int, default=5, help="steady training steps timed before and after")
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank per training step")
+    p.add_argument("--ranks", type=int, default=2, help="ranks (one per GPU with --device cuda)")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds before the job is stopped")
+    p.add_argument("--collective-timeout-s", type=float, default=300)
+    p.add_argument("--local", default="/dev/shm", help="parent of the local tier (default: /dev/shm, tmpfs)")
+    p.add_argument("--tmp", default=None, help="parent of the durable tier (default: the system's temp folder)")
+    p.add_argument("--out", type=Path, default=RESULTS / "tiers.json")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--local-root", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    return launch(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
