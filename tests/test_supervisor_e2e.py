@@ -95,6 +95,7 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous(tmp_path):
         console = sup.output()
     doc = status(run_dir)
     assert doc["history"][1]["resumed_from_step"] == 20
+    assert doc["history"][1]["resumed_tier"] is None  # one tier: nothing to choose, nothing to say
     assert "resuming from step 20" in console
     assert "skipping step_000000040.partial: incomplete: partial save, never committed" in console
     assert store.inspect(run_dir / "checkpoints" / store.step_dirname(40)).valid

@@ -267,7 +267,8 @@ class Session:
         else:
             path = (self.ckpt.root if tier == "local" else self.ckpt.durable_root) / store.step_dirname(step)
             t0 = time.monotonic()
-            self.beater.update(loading_step=step, loading_tier=tier, resumed_tier=tier, resumed_why=why)
+            tiers = {"loading_tier": tier, "resumed_tier": tier, "resumed_why": why} if self.ckpt.local else {}
+            self.beater.update(loading_step=step, **tiers)
             problem, notes = None, []
             try:
                 # The template raises the same StatefulError on every rank (it depends only on the checkpoint's
