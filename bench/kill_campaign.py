@@ -2,15 +2,16 @@
 relaunch that no partial checkpoint was ever accepted, no committed one was lost, and the relaunch resumed
 from the newest whole one.
 
-    python bench/kill_campaign.py [--kills 100] [--mode async|sync|both]
+    python bench/kill_campaign.py [--kills 100] [--mode async|sync|local|both|all]
 
 One `resilient run` per mode (a GPT of ~3M parameters on 2 CPU ranks, a checkpoint every 4 steps, async or
-sync saves, `keep: 3`), with the restart budget and crash-loop guard out of the way. A kill: wait for a new
+sync saves, `keep: 3`; `local`: async saves into a node-local tier that the supervisor replicates to the
+durable one, `keep_local: 3`), with the restart budget and crash-loop guard out of the way. A kill: wait for a new
 save to begin (its `.partial` folder appears), wait a random fraction of a save's duration, SIGKILL a random
 rank (saves in the training thread and in the background thread both run inside the rank: the writer is
 the rank). Then, once the supervisor's next attempt trains:
 - accepted but not whole: a folder that passes the supervisor's own check (`verify: size`, small files
-  checksummed) but fails a full checksum read — must be 0;
+  checksummed) but fails a full checksum read, in either tier — must be 0;
 - committed then lost: a checkpoint whose commit the step log recorded, among the `keep` newest, that is
   not valid now — must be 0;
 - wrong resume: the relaunch did not resume from the newest checkpoint that is whole (full check) when it
@@ -72,7 +73,8 @@ def committed(run_dir: Path) -> set[int]:
 
 
 def campaign(mode: str, kills: int, rng: random.Random, tmp: Path) -> dict:
-    run_dir, root = tmp / f"run-{mode}", tmp / f"run-{mode}" / "checkpoints"
+    run_dir, durable = tmp / f"run-{mode}", tmp / f"run-{mode}" / "checkpoints"
+    root = tmp / f"local-{mode}" if mode == "local" else durable  # where the ranks save
     entry = ["--steps", "1000000", "--device", "cpu", "--n-layer", "4", "--n-embd", "256", "--n-head", "4",
              "--batch", "8"]
     argv = [sys.executable, "-m", "supervisor", "run", str(REPO / "jobs" / "tiny-cpu.yaml"), "--run-dir", str(run_dir),
@@ -80,6 +82,8 @@ def campaign(mode: str, kills: int, rng: random.Random, tmp: Path) -> dict:
             "--set", f"checkpoint.keep={KEEP}", "--set", f"checkpoint.async={'true' if mode == 'async' else 'false'}",
             "--set", "restart.max_restarts=100000", "--set", "restart.crash_loop_attempts=100000",
             "--set", "restart.backoff_s=0", "--set", "heartbeat.interval_s=0.2"]
+    if mode == "local":
+        argv += ["--set", f"checkpoint.local_dir={root}", "--set", f"checkpoint.keep_local={KEEP}"]
     out = {"mode": mode, "kills": 0, "inside_a_save": 0, "accepted_not_whole": 0, "committed_lost": 0,
            "wrong_resume": 0, "relaunches_checked": 0, "save_s": None, "problems": []}
     log = open(tmp / f"supervisor-{mode}.log", "wb")  # noqa: SIM115
@@ -112,6 +116,8 @@ def campaign(mode: str, kills: int, rng: random.Random, tmp: Path) -> dict:
             infos = {i.step: i for i in store.scan(root)}
             deep = {step: store.inspect(i.path, deep=True) for step, i in infos.items() if i.valid}
             bad = [s for s, d in deep.items() if not d.valid]
+            if root != durable:  # the durable copies: each was verified as it was copied, and must read whole
+                bad += [i.step for i in store.scan(durable) if i.valid and not store.inspect(i.path, deep=True).valid]
             out["accepted_not_whole"] += len(bad)
             out["problems"] += [f"step {s} passes the size check but not a full read" for s in bad]
             newest = max(commits_before, default=None)  # retention keeps it until KEEP newer ones exist
@@ -149,7 +155,7 @@ def campaign(mode: str, kills: int, rng: random.Random, tmp: Path) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=100, help="kills per mode")
-    p.add_argument("--mode", choices=("async", "sync", "both"), default="both")
+    p.add_argument("--mode", choices=("async", "sync", "local", "both", "all"), default="both")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kill_campaign.json")
     args = p.parse_args()
@@ -157,10 +163,12 @@ def main() -> int:
     rng = random.Random(seed)
     results = []
     with tempfile.TemporaryDirectory(prefix="resilient-kills-") as tmp:
-        for mode in (("async", "sync") if args.mode == "both" else (args.mode,)):
+        modes = {"both": ("async", "sync"), "all": ("async", "sync", "local")}.get(args.mode, (args.mode,))
+        for mode in modes:
             t0 = time.monotonic()
             results.append(campaign(mode, args.kills, rng, Path(tmp)))
             results[-1]["wall_s"] = round(time.monotonic() - t0)
+            print(f"{mode}: {results[-1]['kills']} kills in {results[-1]['wall_s']} s", flush=True)
     doc = {"seed": seed, "results": results,
            "total": {k: sum(r[k] for r in results) for k in ("kills", "inside_a_save", "accepted_not_whole",
                                                              "committed_lost", "wrong_resume", "relaunches_checked")}}

@@ -226,9 +226,11 @@ def test_nodes_agree_on_the_resume_step_when_they_judge_the_newest_differently(t
     older = store.latest_valid(root, below=newest.step)
     flip_byte(newest.path / "__0_0.distcp", offset=4096)  # node a checks sizes (passes), node b checksums
     with cluster() as nodes:
-        a2 = start(nodes, tmp_path, job, "a")
+        # Both nodes or none: with 1:2, node a could start alone while node b still checksums, and b would then
+        # join a group that has already resumed (the agreement under test is never made).
+        a2 = start(nodes, tmp_path, job, "a", "--set", "nnodes=2")
         wait_for(lambda: a2.hosts_store(port) or a2.proc.poll() is not None, 60, "node a's store")
-        b2 = start(nodes, tmp_path, job, "b", "--set", "checkpoint.verify=checksum")
+        b2 = start(nodes, tmp_path, job, "b", "--set", "checkpoint.verify=checksum", "--set", "nnodes=2")
         assert a2.proc.wait(FINISH_TIMEOUT) == 0, a2.proc.output()[-3000:]
         assert b2.proc.wait(60) == 0, b2.proc.output()[-3000:]
     assert f"resuming from step {newest.step}" in a2.proc.output()
