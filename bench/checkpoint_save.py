@@ -307,7 +307,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
            "--max-restarts", "0", str(Path(__file__).resolve()), *argv, "--worker", "--root", str(tmp),
            "--result", str(result)]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    # TMPDIR: torchrun without --log-dir leaves a /tmp/torchelastic_* folder per launch; this one is removed below
+    proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, TMPDIR=str(tmp)))
     try:
         try:
             rc = proc.wait(timeout=args.timeout)

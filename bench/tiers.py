@@ -305,7 +305,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
            "--local-root", str(local / "local"), "--result", str(result)]
     stop = threading.Event()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    # TMPDIR: torchrun without --log-dir leaves a /tmp/torchelastic_* folder per launch; this one is removed below
+    proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, TMPDIR=str(tmp)))
     try:
         rep = replicate_beside(local / "local", tmp / "durable", stop, keep=2 * args.saves + 4)
         try:

@@ -134,7 +134,7 @@ def test_kill_9_of_the_supervisor_in_the_middle_of_a_save_leaves_nothing_half_va
         assert not info.valid or store.inspect(info.path, deep=True).valid, info  # nothing half valid
     newest = store.latest_valid(run_dir / "checkpoints").step
     assert newest >= 20  # 40 if the paused save committed, or the stop's own save: the ranks got SIGTERM
-    console = finish(run_job(run_dir, steps=60), tmp_path, "second.log")
+    console = finish(run_job(run_dir, steps=60, sleep=0.0), tmp_path, "second.log")
     assert f"resuming from step {newest}" in console
     assert [h["reason"] for h in status(run_dir)["history"]] == ["supervisor_lost", "finished"]
     assert store.inspect(run_dir / "checkpoints" / store.step_dirname(60), deep=True).valid

@@ -174,7 +174,10 @@ def test_a_node_dies_and_the_other_finishes_alone(tmp_path, victim):
         wait_for(lambda: training_together(a, b, 25), 120, "both nodes training together")
         dead, survivor = (b, a) if victim == "b" else (a, b)
         assert dead.hosts_store(port) == (victim == "a")
-        before = store.latest_valid(tmp_path / "run" / "checkpoints")
+        # A node that starts first may train alone until the other joins (nnodes 1:2), and the checkpoint taken
+        # at that regroup is a 1-rank one: wait for one the two nodes saved, so the resume must reshard 2 → 1.
+        before = wait_for(lambda: (i := store.latest_valid(tmp_path / "run" / "checkpoints")) and i.world_size == 2
+                          and i, 120, "a checkpoint saved by both nodes")
         dead.kill()
         assert survivor.proc.wait(FINISH_TIMEOUT) == 0, survivor.proc.output()[-3000:]
         console = survivor.proc.output()

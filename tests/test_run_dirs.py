@@ -350,7 +350,7 @@ def test_recovery_exercise_rank_logs_and_a_moved_run_dir_that_resumes(tmp_path, 
     os.rename(run_dir, moved)
     doc = json.loads(cli("inspect-checkpoint", moved, "--json").stdout)
     assert doc["root"] == str(moved / "checkpoints") and doc["latest_valid_step"] == 60
-    with started(run_job(moved, steps=80), tmp_path, log=tmp_path / "sup2.log") as sup:
+    with started(run_job(moved, steps=80, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
         assert "resuming from step 60" in sup.output()
     assert not run_dir.exists(), "the resumed run wrote to where the run dir used to be"

@@ -150,7 +150,7 @@ def test_sigterm_to_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tmp
     # shows the stop's own checkpoint is that it was committed after the signal, at the stop step.
     latest = store.latest_valid(run_dir / "checkpoints", deep=True)
     assert latest.step == stop_step and latest.created_at > signalled_at, (latest.step, stop_step)
-    with started(run_job(run_dir, steps=200), tmp_path, log=tmp_path / "sup2.log") as sup:
+    with started(run_job(run_dir, steps=200, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
         assert f"resuming from step {stop_step}" in sup.output()
 
@@ -171,7 +171,7 @@ def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path
         wait_for(lambda: not [p for p in sup.alive_descendants() if p.pid != sup.pid], 10, "torchrun to exit")
     finally:
         sup.kill_all()
-    with started(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup2.log") as sup2:
+    with started(run_job(run_dir, steps=150, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup2:
         assert sup2.wait(RUN_TIMEOUT) == 0, sup2.output()[-3000:]
     doc = status(run_dir)
     assert doc["state"] == "succeeded"
@@ -183,7 +183,7 @@ def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
     """Two SIGKILLs: attempt 3's ranks are forks of the prewarm server, and the final model and optimizer
     equal those of an uninterrupted run, tensor by tensor; every checkpoint written verifies byte for byte."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    with started(run_job(straight, steps=160), tmp_path, log=tmp_path / "straight.log") as sup:
+    with started(run_job(straight, steps=160, sleep=0.0), tmp_path, log=tmp_path / "straight.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
     # One worker group made every save of the uninterrupted run, async: a stager reused across saves.
     records = read_step_log(straight / "steps" / "attempt_1.jsonl")
