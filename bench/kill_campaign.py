@@ -65,6 +65,13 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.005):
     raise TimeoutError(f"waiting for {what}")
 
 
+def resumed_said(s: dict) -> bool:
+    """The ranks of the newest attempt said what they resumed from (a tier), or train having found nothing."""
+    last = s["history"][-1]
+    training = any(r.get("alive") and r.get("phase") == "train" for r in s.get("ranks", []))
+    return bool(last.get("resumed_tier")) or (last.get("resumed_from_step") is None and training)
+
+
 def committed(run_dir: Path) -> set[int]:
     steps = set()
     for log in (run_dir / "steps").glob("attempt_*.jsonl"):
@@ -110,8 +117,10 @@ def campaign(mode: str, kills: int, rng: random.Random, tmp: Path) -> dict:
                 save_s = max(0.05, 0.8 * save_s + 0.2 * (time.monotonic() - t_begin))
             commits_before = committed(run_dir)
             # The next attempt: wait until it trains, then judge what it resumed from.
+            # With a local tier the launch records the durable choice; the ranks' own (either tier) replaces it
+            # once they report, with the tier they read: wait for that.
             wait_for(lambda a=attempt: (s := state(run_dir)).get("attempt", 0) > a and s.get("state") == "running"
-                     and len(s["history"]) > a, 120, "the relaunch")
+                     and len(s["history"]) > a and (mode != "local" or resumed_said(s)), 120, "the relaunch")
             launched = state(run_dir)["history"][-1]
             infos = {i.step: i for i in store.scan(root)}
             deep = {step: store.inspect(i.path, deep=True) for step, i in infos.items() if i.valid}

@@ -250,14 +250,14 @@ class Attempt:
         tier = said.resumed_tier if step is not None else None
         if self.rec.regroups:
             self.rec.regroups[-1]["resumed_from"] = step
-        elif step != self.rec.resumed_from_step:
-            where = f" from the {tier} tier ({said.resumed_why})" if tier and self.handover.ckpt_local_dir else ""
-            self.console.event(f"attempt {self.rec.attempt}: the ranks resumed from step {step}{where} (agreed "
-                               f"across nodes; this node had handed over {self.rec.resumed_from_step})", style="yellow")
-            self.rec.resumed_from_step = step
-        elif tier and self.handover.ckpt_local_dir:
+        elif tier and self.handover.ckpt_local_dir:  # two tiers: the ranks chose one; the launch line named both
             self.console.event(f"attempt {self.rec.attempt}: the ranks resumed from step {step} from the {tier} tier "
                                f"({said.resumed_why})")
+            self.rec.resumed_from_step = step
+        elif step != self.rec.resumed_from_step:
+            self.console.event(f"attempt {self.rec.attempt}: the ranks resumed from step {step} (agreed across "
+                               f"nodes; this node had handed over {self.rec.resumed_from_step})", style="yellow")
+            self.rec.resumed_from_step = step
         self.rec.resumed_tier, self.rec.resumed_why = tier, said.resumed_why if tier else None
         self._resume_noted = True
 
