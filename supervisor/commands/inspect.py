@@ -119,7 +119,9 @@ class InspectResult:
                     kind = " (partial)" if c is not None and c.partial else \
                         " (quarantined)" if c is not None and c.quarantined else ""
                     cells.append("-" if c is None else render.styled(c.status.value) + kind)
-                reasons = [f"{tier.lower()}: {c.reason}" for tier, c in row.items() if c.reason]
+                # What is wrong where; when nothing is, one tier's word for it (the others say the same).
+                reasons = [f"{tier.lower()}: {c.reason}" for tier, c in row.items() if c.reason and not c.valid] \
+                    or [first.reason]
                 cells += [render.human_bytes(first.size_bytes), str(first.world_size or "-"),
                           render.local_time(first.created_at), "; ".join(reasons)]
                 table.add_row(*cells)
