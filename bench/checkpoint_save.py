@@ -34,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,22 +97,29 @@ def model_config(gb: float, layers: int) -> Any:
                      dropout=0.0)
 
 
-def worker(args: argparse.Namespace) -> None:
+@dataclass
+class Rank:
+    """One rank of a benchmark job: its process group, an FSDP2 GPT of `--gb` with AdamW, a timed step."""
+
+    ctx: Any
+    cfg: Any
+    model: Any
+    state: Any
+    train_step: Callable[[], float]
+    sync_device: Callable[[], None]
+
+
+def setup_rank(args: argparse.Namespace) -> Rank:
     import torch
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from supervisor import store
     from train_entry import dist as dist_util
-    from train_entry.checkpoint import Checkpointer
     from train_entry.model import GPT
-    from train_entry.staging import _local
     from train_entry.state import TrainState
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     dist_util.die_with_parent()
     ctx = dist_util.init(args.collective_timeout_s, args.device)
-    group, rank, root = ctx.ckpt_group, ctx.rank, Path(args.root)
     cfg = model_config(args.gb, args.layers)
     torch.manual_seed(0)
     model = GPT(cfg).to(ctx.device)
@@ -119,7 +128,7 @@ def worker(args: argparse.Namespace) -> None:
     fully_shard(model, mesh=ctx.mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = TrainState(model, optimizer)
-    gen = torch.Generator().manual_seed(1 + rank)
+    gen = torch.Generator().manual_seed(1 + ctx.rank)
     sync_device = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
 
     def train_step() -> float:
@@ -131,6 +140,21 @@ def worker(args: argparse.Namespace) -> None:
         sync_device()
         state.step += 1
         return time.monotonic() - t
+
+    return Rank(ctx, cfg, model, state, train_step, sync_device)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from supervisor import store
+    from train_entry.checkpoint import Checkpointer
+    from train_entry.staging import _local
+
+    r = setup_rank(args)
+    ctx, cfg, model, state, train_step, sync_device = r.ctx, r.cfg, r.model, r.state, r.train_step, r.sync_device
+    group, rank, root = ctx.ckpt_group, ctx.rank, Path(args.root)
 
     for _ in range(3):  # AdamW state exists from the first; the allocator settles over the next
         train_step()
@@ -300,55 +324,80 @@ def report(o: dict[str, Any], args: argparse.Namespace) -> None:
           f"{', '.join(str(m) for m in o['async_rss_increase_mb'])} MB | | | |")
 
 
+def start_job(script: str, args: argparse.Namespace, argv: list[str], tmp: Path,
+              extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`script --worker` on `--ranks` ranks under torchrun, writing its result to tmp/result.json."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
+           "--max-restarts", "0", str(Path(script).resolve()), *argv, "--worker", "--root", str(tmp), *extra,
+           "--result", str(tmp / "result.json")]
+    # TMPDIR: torchrun without --log-dir leaves a /tmp/torchelastic_* folder per launch; tmp is removed after
+    return subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, TMPDIR=str(tmp)))
+
+
+def wait_job(proc: subprocess.Popen, timeout: float) -> int:
+    """The job's exit code, said when it is not 0; 124 when it ran past `timeout` (end_job then stops it)."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"stopping the job: still running after --timeout {timeout:.0f}s", file=sys.stderr)
+        return 124
+    if rc != 0:
+        print(f"torchrun exited {rc}", file=sys.stderr)
+    return rc
+
+
+def end_job(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def write_result(out: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"\nwrote {path}", file=sys.stderr)
+
+
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="resilient-bench-ckpt-", dir=args.tmp))
-    result = tmp / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
-           "--max-restarts", "0", str(Path(__file__).resolve()), *argv, "--worker", "--root", str(tmp),
-           "--result", str(result)]
     t0 = time.monotonic()
-    # TMPDIR: torchrun without --log-dir leaves a /tmp/torchelastic_* folder per launch; this one is removed below
-    proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, TMPDIR=str(tmp)))
+    proc = start_job(__file__, args, argv, tmp)
     try:
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"stopping the job: still running after --timeout {args.timeout:.0f}s", file=sys.stderr)
-            return 124
+        rc = wait_job(proc, args.timeout)
         if rc != 0:
-            print(f"torchrun exited {rc}", file=sys.stderr)
             return rc
-        ranks = json.loads(result.read_text())
+        ranks = json.loads((tmp / "result.json").read_text())
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        end_job(proc)
         shutil.rmtree(tmp, ignore_errors=True)
     out = summarise(ranks, time.monotonic() - t0, args)
     report(out, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"\nwrote {args.out}", file=sys.stderr)
+    write_result(out, args.out)
     return 0
+
+
+def add_job_args(p: argparse.ArgumentParser, *, timeout: float) -> None:
+    """The arguments both benchmarks take: the model, the job, and the worker's hidden ones."""
+    p.add_argument("--gb", type=float, default=1.0, help="params + AdamW state over all ranks, GB (1e9 bytes)")
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks (the width follows from --gb)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--steps", type=int, default=5, help="steady training steps timed before and after")
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank per training step")
+    p.add_argument("--ranks", type=int, default=2, help="ranks (one per GPU with --device cuda)")
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds before the job is stopped")
+    p.add_argument("--collective-timeout-s", type=float, default=300)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gb", type=float, default=1.0, help="params + AdamW state over all ranks, GB (1e9 bytes)")
-    p.add_argument("--layers", type=int, default=8, help="transformer blocks (the width follows from --gb)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_job_args(p, timeout=900)
     p.add_argument("--saves", type=int, default=4, help="sync saves, loads and async saves to time")
-    p.add_argument("--steps", type=int, default=5, help="steady training steps timed before and after")
-    p.add_argument("--batch", type=int, default=1, help="sequences per rank per training step")
-    p.add_argument("--ranks", type=int, default=2, help="ranks (one per GPU with --device cuda)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds before the job is stopped")
-    p.add_argument("--collective-timeout-s", type=float, default=300)
     p.add_argument("--tmp", default=None, help="parent of the temp checkpoint folder (default: the system's)")
     p.add_argument("--out", type=Path, default=RESULTS / "checkpoint_save.json")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--root", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)

@@ -28,12 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpoint_save import evict, model_config
+from checkpoint_save import add_job_args, end_job, evict, setup_rank, start_job, wait_job, write_result
 
 from supervisor import store
 
@@ -67,38 +64,13 @@ def drop_page_cache(files: list[Path]) -> str:
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
-    from train_entry import dist as dist_util
     from train_entry.checkpoint import Checkpointer
-    from train_entry.model import GPT
-    from train_entry.state import TrainState
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    dist_util.die_with_parent()
-    ctx = dist_util.init(args.collective_timeout_s, args.device)
+    r = setup_rank(args)
+    ctx, model, state, train_step, sync_device = r.ctx, r.model, r.state, r.train_step, r.sync_device
     group, rank = ctx.ckpt_group, ctx.rank
     direct_root, durable, local = Path(args.root) / "direct", Path(args.root) / "durable", Path(args.local_root)
-    cfg = model_config(args.gb, args.layers)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(ctx.device)
-    for block in model.blocks:
-        fully_shard(block, mesh=ctx.mesh)
-    fully_shard(model, mesh=ctx.mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    state = TrainState(model, optimizer)
-    gen = torch.Generator().manual_seed(1 + rank)
-    sync_device = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
-
-    def train_step() -> float:
-        t = time.monotonic()
-        x = torch.randint(cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen).to(ctx.device)
-        (model(x, x) / x.numel()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sync_device()
-        state.step += 1
-        return time.monotonic() - t
 
     def everyone_agrees(flag: bool) -> bool:
         t = torch.tensor([1 if flag else 0], device=ctx.device)
@@ -159,7 +131,7 @@ def worker(args: argparse.Namespace) -> None:
             sync_device()
             dist.barrier(group=group)
             loads[tier].append(time.monotonic() - t0)
-    mine = {"rank": rank, "params": sum(p.numel() for p in model.parameters()), "config": vars(cfg),
+    mine = {"rank": rank, "params": sum(p.numel() for p in model.parameters()), "config": vars(r.cfg),
             "steady_steps_s": steady, "saves": saves, "loads": loads, "cache_drop": how,
             "checkpoint_bytes": store.inspect(paths["durable"]).manifest.total_bytes}
     gathered: list[Any] | None = [None] * ctx.world_size if rank == 0 else None
@@ -299,67 +271,44 @@ def report(o: dict[str, Any], args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="resilient-bench-tiers-", dir=args.tmp))
     local = Path(tempfile.mkdtemp(prefix="resilient-bench-local-", dir=args.local))
-    result = tmp / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
-           "--max-restarts", "0", str(Path(__file__).resolve()), *argv, "--worker", "--root", str(tmp),
-           "--local-root", str(local / "local"), "--result", str(result)]
     stop = threading.Event()
     t0 = time.monotonic()
-    # TMPDIR: torchrun without --log-dir leaves a /tmp/torchelastic_* folder per launch; this one is removed below
-    proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, TMPDIR=str(tmp)))
+    proc = start_job(__file__, args, argv, tmp, ("--local-root", str(local / "local")))
     try:
         rep = replicate_beside(local / "local", tmp / "durable", stop, keep=2 * args.saves + 4)
         try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"stopping the job: still running after --timeout {args.timeout:.0f}s", file=sys.stderr)
-            return 124
+            rc = wait_job(proc, args.timeout)
         finally:
             stop.set()
             rep.drain(30)
             rep.stop()
         if rc != 0:
-            print(f"torchrun exited {rc}", file=sys.stderr)
             return rc
         wall = time.monotonic() - t0
-        ranks = json.loads(result.read_text())
+        ranks = json.loads((tmp / "result.json").read_text())
         beside = rep.snapshot()
         idle = replication_vs_copy(local / "local", tmp / "scratch", args.copies)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        end_job(proc)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(local, ignore_errors=True)
     out = summarise(ranks, idle, beside, wall, args)
     report(out, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"\nwrote {args.out}", file=sys.stderr)
+    write_result(out, args.out)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gb", type=float, default=1.0, help="params + AdamW state over all ranks, GB (1e9 bytes)")
-    p.add_argument("--layers", type=int, default=8, help="transformer blocks (the width follows from --gb)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_job_args(p, timeout=1200)
     p.add_argument("--saves", type=int, default=4, help="timed saves per tier (after one untimed each)")
     p.add_argument("--loads", type=int, default=3, help="timed loads per tier")
     p.add_argument("--copies", type=int, default=6, help="replications and plain copies of one checkpoint, idle")
-    p.add_argument("--steps", type=int, default=5, help="steady training steps timed before and after")
-    p.add_argument("--batch", type=int, default=1, help="sequences per rank per training step")
-    p.add_argument("--ranks", type=int, default=2, help="ranks (one per GPU with --device cuda)")
-    p.add_argument("--timeout", type=float, default=1200, help="seconds before the job is stopped")
-    p.add_argument("--collective-timeout-s", type=float, default=300)
     p.add_argument("--local", default="/dev/shm", help="parent of the local tier (default: /dev/shm, tmpfs)")
     p.add_argument("--tmp", default=None, help="parent of the durable tier (default: the system's temp folder)")
     p.add_argument("--out", type=Path, default=RESULTS / "tiers.json")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--local-root", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
