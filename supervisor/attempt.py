@@ -148,11 +148,7 @@ class Attempt:
         silent = self._silent_ranks(watch, heartbeats, failed.rank)
         stuck = [Hang(r, SILENT, age, heartbeats[r].step, heartbeats[r].phase) for age, r in silent]
         if stuck:
-            out = self.spec.logs_dir / "hang_evidence.json"
-            doc = evidence.capture(stuck, heartbeats, rank_stderr_paths(self.spec, heartbeats), out,
-                                   run_dir=self.cfg.run_dir)
-            dumped = [r["rank"] for r in doc["ranks"] if r.get("stack_dump")]
-            self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'})")
+            self._capture(stuck, heartbeats)
         handle.stop(grace_s=HANG_STOP_GRACE_S)
         return self._ended(1, handle, heartbeats, watch, oom_before, silent)  # a worker failure, as torchrun says
 
@@ -180,14 +176,19 @@ class Attempt:
         first = hangs[0]
         self.console.event(f"attempt {self.spec.attempt}: hang — {first.describe()}; capturing stacks before "
                            "stopping", style="red")
+        out = self._capture(hangs, heartbeats)
+        handle.stop(grace_s=HANG_STOP_GRACE_S)
+        step = max((hb.step for hb in heartbeats.values()), default=None)
+        return AttemptOutcome(api.HANG, first.describe(), first.rank, None, step, str(out))
+
+    def _capture(self, hangs: list[Any], heartbeats: dict[int, Heartbeat]) -> Path:
+        """The hung ranks' stacks and kernel state, before anything is stopped; returns the evidence file."""
         out = self.spec.logs_dir / "hang_evidence.json"
         doc = evidence.capture(hangs, heartbeats, rank_stderr_paths(self.spec, heartbeats), out,
                                run_dir=self.cfg.run_dir)
         dumped = [r["rank"] for r in doc["ranks"] if r.get("stack_dump")]
         self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'})")
-        handle.stop(grace_s=HANG_STOP_GRACE_S)
-        step = max((hb.step for hb in heartbeats.values()), default=None)
-        return AttemptOutcome(api.HANG, first.describe(), first.rank, None, step, str(out))
+        return out
 
     def _stop(self, handle: AttemptHandle, heartbeats: dict[int, Heartbeat]) -> AttemptOutcome:
         """The supervisor was asked to stop: the ranks checkpoint at their step and exit."""
