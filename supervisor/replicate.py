@@ -75,6 +75,15 @@ class ReplicationState:
         return d
 
 
+def split_unreplicated(plan: retention.Plan, infos: list[store.CheckpointInfo],
+                       durable: set[int]) -> tuple[retention.Plan, list[retention.Removal]]:
+    """`plan` (a local tier's retention) less the valid local checkpoints the durable tier lacks, and those: they
+    may be the only copy. Used by the replicator's retention and by `gc --keep-local`."""
+    valid = {i.path for i in infos if i.valid}
+    held = [r for r in plan.remove if r.path in valid and r.step not in durable]
+    return retention.Plan(plan.kept, [r for r in plan.remove if r not in held], plan.spared), held
+
+
 def yield_to_training() -> None:
     """Lower this thread's CPU and disk priority to the least (Linux sets both per thread): on a node whose cores
     all train, the copy takes what the ranks leave; it is never in training's way, only later."""
@@ -318,22 +327,18 @@ class Replicator:
         has been failing longer than the outage limit)."""
         if not self.local_root.is_dir():
             return
-        durable = self._durable_valid()
         outage = self.state.failing_since is not None and time.time() - self.state.failing_since > self.outage_s
         infos = store.scan(self.local_root)
-        valid = {i.step for i in infos if i.valid}
-        plan = retention.plan(self.local_root, infos, self.keep_local, owner_alive=True)
-        allowed = []
-        for r in plan.remove:
-            if r.step not in valid or r.step in durable:  # not a checkpoint, or one the durable tier holds
-                allowed.append(r)
-            elif outage:
-                allowed.append(r)
+        plan, held = split_unreplicated(retention.plan(self.local_root, infos, self.keep_local, owner_alive=True),
+                                        infos, set(self._durable_valid()))
+        if outage:
+            for r in held:
                 self.state.deleted_unreplicated.append(r.step)
                 self.announce(f"deleting local step {r.step}, which has no durable copy: the durable tier has been "
                               f"failing for {time.time() - (self.state.failing_since or 0):.0f}s", "red")
-        if allowed:
-            retention.apply(retention.Plan(plan.kept, allowed, plan.spared))
+            plan = retention.Plan(plan.kept, plan.remove + held, plan.spared)
+        if plan.remove:
+            retention.apply(plan)
 
     def _refresh(self) -> None:
         local = [i for i in store.scan(self.local_root) if i.valid] if self.local_root.is_dir() else []

@@ -14,6 +14,9 @@ from typing import Any
 from supervisor import layout, lock, render, retention, store, targets
 from supervisor.errors import ExitCode, UsageError
 from supervisor.fsutil import write_problem
+from supervisor.replicate import split_unreplicated
+
+UNREPLICATED = "no durable copy yet: the supervisor is still copying it, or the durable tier failed"
 
 
 @dataclass
@@ -101,9 +104,12 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local
     local = []
     durable = {i.step for i in infos if i.valid}
     for node, lroot in targets.local_tiers(t):  # planned before anything is deleted anywhere
-        lplan = retention.plan(lroot, store.scan(lroot, quarantined=True), keep_local or targets.keep_local_of(t),
-                               owner_alive=owner_alive(t.run_dir))
-        local.append((node, lroot, _protect_unreplicated(lplan, durable)))
+        linfos = store.scan(lroot, quarantined=True)
+        lplan, held = split_unreplicated(retention.plan(lroot, linfos, keep_local or targets.keep_local_of(t),
+                                                        owner_alive=owner_alive(t.run_dir)), linfos, durable)
+        by_path = {i.path: i for i in linfos}
+        spared = [*lplan.spared, *((by_path[r.path], UNREPLICATED) for r in held)]
+        local.append((node, lroot, retention.Plan(lplan.kept, lplan.remove, spared)))
     applied = None
     if not dry_run:
         for folder, p in [(t.checkpoint_root, plan), *((lroot, lplan) for _, lroot, lplan in local)]:
@@ -118,11 +124,3 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local
     render.emit(result, as_json)
     return result.exit_code
 
-
-def _protect_unreplicated(plan: retention.Plan, durable: set[int]) -> retention.Plan:
-    """A local checkpoint the durable tier does not hold is kept, whatever the count: it may be the only copy."""
-    valid = {c.step for c in plan.kept} | {r.step for r in plan.remove if r.why.startswith("older than")}
-    keep = [r for r in plan.remove if r.step in valid and r.step not in durable]
-    spared = [*plan.spared, *((store.inspect(r.path), "no durable copy yet: the supervisor is still copying it, or "
-                               "the durable tier failed") for r in keep)]
-    return retention.Plan(plan.kept, [r for r in plan.remove if r not in keep], spared)
