@@ -22,6 +22,7 @@ rebased onto the folder the run dir is found in now, never followed back to the 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,12 @@ NODES_DIR = "nodes"
 class RunLayout:
     run_dir: Path
     node: str | None = None  # None: single node, files directly in run_dir
+
+    @property
+    def node_name(self) -> str:
+        """This node's name in what it writes elsewhere (its local tier, its durable parts): `--node`, else the
+        host name. The ranks name it the same way (train_entry.session)."""
+        return self.node or socket.gethostname()
 
     @property
     def node_dir(self) -> Path:

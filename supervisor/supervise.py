@@ -88,8 +88,8 @@ class Supervisor:
         self._interval: int | None = ck.interval_steps
         self._last_state_write = 0.0
         # A node-local tier: the ranks save there, this node's part is copied to the durable tier in the background.
-        self.local_root = ck.local_root(layout.node or socket.gethostname())
-        self.replicator = (Replicator(self.local_root, ck.dir, layout.node or socket.gethostname(),
+        self.local_root = ck.local_root(layout.node_name)
+        self.replicator = (Replicator(self.local_root, ck.dir, layout.node_name,
                                       keep_local=ck.keep_local, keep=ck.keep, outage_s=ck.durable_outage_s,
                                       announce=lambda text, style: self.console.event(text, style=style))
                            if self.local_root is not None else None)

@@ -114,13 +114,13 @@ class Session:
         stop = signals.StopRequest()
         signals.install(stop)
         dist_util.die_with_parent()
-        hb = Heartbeat(rank=rank, pid=os.getpid(), attempt=h.attempt,
-                       local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                       world_size=int(os.environ.get("WORLD_SIZE", 1)), node=h.node or socket.gethostname(),
+        node = h.node or socket.gethostname()  # as the supervisor names it (RunLayout.node_name)
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        hb = Heartbeat(rank=rank, pid=os.getpid(), attempt=h.attempt, local_rank=local_rank,
+                       world_size=int(os.environ.get("WORLD_SIZE", 1)), node=node,
                        started_at=time.time(),
                        log_dir=os.path.dirname(os.environ.get("TORCHELASTIC_ERROR_FILE", "")) or None,
                        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
         beater = Beater(hb, h.heartbeat_dir or heartbeat_dir, h.heartbeat_interval_s or heartbeat_interval_s,
                         step_log=h.step_log if local_rank == 0 else None,
                         control_file=h.control_file if rank == 0 else None,
@@ -135,7 +135,7 @@ class Session:
         use_async = h.ckpt_async if h.ckpt_async is not None else (True if async_save is None else async_save)
         committer = ctx.local_rank == 0 if h.ckpt_local_dir else ctx.is_main
         ckpt = Checkpointer(root, ctx, async_save=use_async, on_committed=beater.record_commit if committer else None,
-                            pause=save_pause, durable_root=durable, node=h.node or socket.gethostname())
+                            pause=save_pause, durable_root=durable, node=node)
         interval = h.ckpt_interval if h.supervised else ckpt_interval
         grace = (h.stop_grace_s or DEFAULT_GRACE_S) - GRACE_MARGIN_S
         if ctx.is_main:

@@ -41,7 +41,7 @@ def check_entrypoint(cfg: JobConfig) -> None:
 def check_writable(cfg: JobConfig, layout: RunLayout) -> None:
     """A run dir or checkpoint root that cannot be written is a configuration error: one sentence, exit 2,
     before anything is created or launched (a read-only mount stops root too; chmod does not)."""
-    local = cfg.checkpoint.local_root(layout.node or socket.gethostname())
+    local = cfg.checkpoint.local_root(layout.node_name)
     for folder, what, fix in ((layout.run_dir, "the run dir", "pick another --run-dir"),
                               (layout.node_dir, "the run dir", "pick another --run-dir"),
                               (cfg.checkpoint.dir, "the checkpoint root", "set checkpoint.dir to a writable folder"),
@@ -101,7 +101,7 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     check_entrypoint(cfg)
     layout = RunLayout(cfg.run_dir, node_name(cfg, node))
     check_writable(cfg, layout)
-    local = cfg.checkpoint.local_root(layout.node or socket.gethostname())
+    local = cfg.checkpoint.local_root(layout.node_name)
     with RunLock(layout.node_dir), RootClaim(cfg.checkpoint.dir, cfg.run_dir), \
             RootClaim(local, cfg.run_dir) if local is not None else contextlib.nullcontext():
         console = EventConsole(cfg.name)
