@@ -179,7 +179,7 @@ class Session:
         decision: list[Any] = [None]
         if self.ctx.is_main:
             step = self._decide([a[:3] for a in asked])
-            decision[0] = (step, *self._tier(step, [a[3] for a in asked]))
+            decision[0] = self._tier(step, [a[3] for a in asked])
         dist.broadcast_object_list(decision, src=0, group=self.ctx.ckpt_group)
         return decision[0]
 
@@ -232,18 +232,19 @@ class Session:
                           f"{self.ckpt.node})")
         return h.local_resume_step, ""
 
-    def _tier(self, durable_step: int | None, offers: list[tuple[int | None, str]]) -> tuple[str, str]:
+    def _tier(self, durable_step: int | None, offers: list[tuple[int | None, str]]) -> tuple[int | None, str, str]:
+        """The step to load, its tier and why: the local one every rank offers, unless older than `durable_step`."""
         if not self.ckpt.local:
-            return "durable", "one tier"
+            return durable_step, "durable", "one tier"
         steps = {step for step, _ in offers}
         if None in steps:
-            return "durable", next(why for step, why in offers if step is None)
+            return durable_step, "durable", next(why for step, why in offers if step is None)
         if len(steps) > 1:
-            return "durable", f"the nodes hold different local steps {sorted(steps)}"
+            return durable_step, "durable", f"the nodes hold different local steps {sorted(steps)}"
         local = steps.pop()
         if durable_step is not None and local < durable_step:
-            return "durable", f"the local step {local} is older than the durable step {durable_step}"
-        return "local", f"every node holds step {local} whole"
+            return durable_step, "durable", f"the local step {local} is older than the durable step {durable_step}"
+        return local, "local", f"every node holds step {local} whole"
 
     def resume(self, state: TrainState) -> int:
         """Load the agreed checkpoint into `state` (resharding if the world size changed); return the step
@@ -256,8 +257,6 @@ class Session:
         self.beater.set_phase("load", now=True)
         t_resume = time.monotonic()
         step, tier, why = self._choose_resume_step()
-        if tier == "local":
-            step = self.handover.local_resume_step
         if state.stateful:
             self._check_stateful(state)
         if step is None:
