@@ -108,6 +108,26 @@ def test_the_arena_is_allocated_once_and_reused_until_the_layout_changes(ctx, tm
     assert ckpt._stager.allocations == 2
 
 
+def test_an_arena_prepared_in_the_background_is_the_one_the_first_save_uses(ctx, tmp_path):
+    """What the session does once training runs on CUDA (there pinned; here the same path, unpinned)."""
+    import threading
+
+    from train_entry.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(tmp_path, ctx, async_save=True)
+    live = state(ctx)
+    ckpt._stager.prepare(live)
+    assert any(t.name == "resilient-staging-alloc" for t in threading.enumerate()) or ckpt._stager.arena is not None
+    ckpt.save(1, lambda: live, sync=False)
+    ckpt.wait()
+    assert ckpt._stager.allocations == 1
+    expected = state(ctx)
+    loaded = ckpt.load(tmp_path / store.step_dirname(1), lambda keys: state(ctx))
+    assert_equal(loaded, expected)
+    ckpt._stager.prepare(live)  # the same layout: nothing to do
+    assert ckpt._stager._preparing is None and ckpt._stager.allocations == 1
+
+
 def test_a_checkpoint_written_by_torchs_own_writer_still_loads(ctx, tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -64,7 +64,7 @@ def test_nccl_run_survives_two_sigkills_resumes_bitwise_exact_and_verifies(tmp_p
     records = read_step_log(straight / "steps" / "attempt_1.jsonl")
     saves = [r.step for r in records if isinstance(r, SaveRecord)]
     assert saves == [r.step for r in records if isinstance(r, CommitRecord)] == list(range(20, 161, 20))
-    assert log0.count("staging buffers allocated") == 1 and "of pinned host memory" in log0
+    assert log0.count("staging arena allocated") == 1 and "of pinned host memory" in log0
 
     def attempt_ranks(attempt: int, min_step: int = 0) -> list[dict]:
         return live_ranks(killed, min_step, nproc=NPROC) if state(killed).get("attempt") == attempt else []

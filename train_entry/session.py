@@ -87,6 +87,7 @@ class Session:
         self.seed = seed
         self.grace_s = grace_s
         self.stop_requested = False  # agreed by all ranks, at a step boundary
+        self._state: TrainState | None = None  # set by resume()
         self.last_saved_step: int | None = None
         self.resumed_from: int | None = None
         self._last_beat: float | None = None
@@ -299,6 +300,7 @@ class Session:
         if self.ctx.is_main:
             log.info("startup: %s", ", ".join(f"{k} {v:.2f}" for k, v in self.startup.items()))
         self._warmup_until = (step or 0) + SYNC_WARMUP_STEPS
+        self._state = state  # its layout sizes the staging arena once training runs (beat)
         self.beater.update(step=step or 0, resumed_from=step)
         self.beater.set_phase("train", now=True)
         return step or 0
@@ -402,6 +404,11 @@ class Session:
             self._sync_every = max(1, min(SYNC_MAX_STEPS, round(SYNC_TARGET_S / max(mean_step_s, 1e-6))))
             if self.ctx.is_main:
                 log.info("ranks agree every %d step(s) (%.1f ms per step)", self._sync_every, mean_step_s * 1e3)
+        if self._state is not None and step >= self._warmup_until:
+            # Once, at an agreement (every rank at this step: the state dict may be collective), with the
+            # optimizer's state in place: the staging arena is allocated in the background from here.
+            state, self._state = self._state, None
+            self.ckpt.prepare(lambda: state.state_dict(self.rank, self.device))
         self.beater.progress(step, own_s)
         return self._mean
 
