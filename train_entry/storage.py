@@ -15,7 +15,10 @@ fought over one interpreter. This layer keeps DCP's planning and metadata and ch
 - rank 0 writes `.metadata` (DCP's Metadata, pickled, with a `RawItem` per item: file, offset, length,
   dtype, shape), fsynced, checksummed too.
 - loading reads each item straight into its destination tensor when the saved shard and the destination
-  match (same world size), with `readinto` (GIL released); otherwise (a resharded load) it reads the
+  match (same world size), with `readinto` (GIL released); a destination on a GPU is filled through two
+  pinned host buffers, the read of one chunk overlapping the copy of the one before (measured on an H100:
+  reading into pageable memory and copying each tensor synchronously loaded 2 GB at 0.44 of the disk's
+  sequential read speed); otherwise (a resharded load) it reads the
   needed ranges, coalesced, and copies the slices DCP asks for. Items written by torch's FileSystemWriter
   (checkpoints from before this layer) are read by it.
 """
@@ -55,6 +58,7 @@ ALIGN = 64
 PAGE = 4096  # O_DIRECT's alignment for buffers, offsets and lengths (a multiple of every logical block size)
 CHUNK = 64 << 20  # bytes per write and per checksum update: few GIL acquisitions, bounded memory per call
 READ_GAP = 1 << 20  # ranges closer than this are read as one
+BOUNCE = 64 << 20  # bytes per pinned buffer that a load to a GPU reads through (two of them)
 
 
 @dataclass(frozen=True)
@@ -288,6 +292,7 @@ class RawReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._metadata: Metadata | None = None
         self._legacy: FileSystemReader | None = None
+        self._bounce: _DeviceBounce | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -327,9 +332,15 @@ class RawReader(StorageReader):
         per_file: dict[str, list[ReadItem]] = {}
         for req in raw:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        for name, reqs in per_file.items():
-            with open(self.path / name, "rb", buffering=0) as f:
-                self._read_file(f, sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset), planner)
+        try:
+            for name, reqs in per_file.items():
+                with open(self.path / name, "rb", buffering=0) as f:
+                    self._read_file(f, sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset),
+                                    planner)
+        finally:
+            if self._bounce is not None:  # every copy landed before the buffers go back
+                self._bounce.drain()
+                self._bounce = None
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -340,7 +351,11 @@ class RawReader(StorageReader):
             info: RawItem = self.storage_data[req.storage_index]
             target = planner.resolve_tensor(req).detach() if req.type == LoadItemType.TENSOR else None
             if target is not None and _whole(req, info, target):
-                _pread_into(f, info.offset, as_bytes(target))
+                if target.device.type == "cpu":
+                    _pread_into(f, info.offset, as_bytes(target))
+                else:
+                    self._bounce = self._bounce or _DeviceBounce()
+                    self._bounce.read(f, info.offset, target)
                 planner.commit_tensor(req, target)
             else:
                 slow.append(req)
@@ -368,10 +383,40 @@ class RawReader(StorageReader):
 
 def _whole(req: ReadItem, info: RawItem, target: torch.Tensor) -> bool:
     """The request is the saved shard entire, and the destination can take its bytes as they are."""
-    return (target.device.type == "cpu" and target.is_contiguous() and info.shape is not None and
+    return (target.device.type in ("cpu", "cuda") and target.is_contiguous() and info.shape is not None and
             tuple(req.lengths) == tuple(info.shape) and not any(req.storage_offsets) and
             str(target.dtype).removeprefix("torch.") == info.dtype and
             target.numel() * target.element_size() == info.length)
+
+
+class _DeviceBounce:
+    """File bytes into GPU tensors through two pinned host buffers: while one buffer's chunk is copied to the
+    device (asynchronously, from pinned memory), the next chunk is read into the other."""
+
+    def __init__(self) -> None:
+        self.buffers = [torch.empty(BOUNCE, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.copied: list[Any] = [None, None]  # the CUDA event after each buffer's last copy
+        self.turn = 0
+
+    def read(self, f: Any, offset: int, target: torch.Tensor) -> None:
+        dst = target.reshape(-1).view(torch.uint8)
+        done = 0
+        while done < dst.numel():
+            n = min(BOUNCE, dst.numel() - done)
+            i, self.turn = self.turn, self.turn ^ 1
+            if self.copied[i] is not None:
+                self.copied[i].synchronize()  # this buffer's previous chunk has left it
+            buf = self.buffers[i][:n]
+            _pread_into(f, offset + done, as_bytes(buf))
+            dst[done:done + n].copy_(buf, non_blocking=True)
+            self.copied[i] = torch.cuda.Event()
+            self.copied[i].record(torch.cuda.current_stream(target.device))
+            done += n
+
+    def drain(self) -> None:
+        for event in self.copied:
+            if event is not None:
+                event.synchronize()
 
 
 def _ranges(reqs: list[ReadItem], storage: dict[MetadataIndex, Any]) -> list[tuple[int, int, list[ReadItem]]]:
