@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, on a CUDA machine whose Python already has a CUDA torch (no network needed):
 #
-#     bash bench/gpu_check.sh [OUT_DIR]
+#     bash bench/gpu_check.sh [OUT_DIR] [all|tests|jobs]
 #
+# `tests` runs the GPU tests and the checkpoint benchmark, `jobs` the two GPT-2-small runs: each part fits in
+# ten minutes on one H100, where a lent machine's command is cut off.
 # Installs the project beside that torch without touching it (--no-deps; falls back to running from the
 # checkout), prints the GPU, driver, torch, CUDA and NCCL versions, runs the GPU tests (tests/test_gpu.py), then
 # the GPT-2-small job (jobs/gpu-small.yaml) under `resilient run` with two SIGKILLs (bench/gpu_small.py), in fp32
@@ -12,6 +14,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-bench/results/gpu}}"
+part="${2:-all}"
+tests=0 small=0 bf16=0 saves=0
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -19,8 +23,14 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   python3 -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| NCCL', '.'.join(map(str, torch.cuda.nccl.version())), '| GPUs', torch.cuda.device_count())"
 } 2>&1 | tee "$out/versions.txt"
+if [[ $part != jobs ]]; then
 python3 -m pytest -m gpu -p no:cacheprovider -v -rs 2>&1 | tee "$out/gpu_tests.txt"
 tests=${PIPESTATUS[0]}
+python3 bench/checkpoint_save.py --device cuda --ranks 1 --gb 2 --out "$out/checkpoint_save.json" 2>&1 \
+    | tee "$out/checkpoint_save.txt"
+saves=${PIPESTATUS[0]}
+fi
+if [[ $part != tests ]]; then
 python3 bench/gpu_small.py --out "$out" 2>&1 | tee "$out/gpu_small.txt"
 small=${PIPESTATUS[0]}
 # The same job in bf16 (FSDP2 MixedPrecisionPolicy) with a sharded EMA and the stateful loader: its step time
@@ -30,8 +40,6 @@ python3 bench/gpu_small.py --out "$out/bf16" --entry-args "--precision bf16 --em
 bf16=${PIPESTATUS[0]}
 python3 -c "import json, sys; f, b = (json.load(open(p))['step_s_median'] for p in sys.argv[1:]); print(f'step time: fp32 {f} s, bf16 {b} s' + (f' ({f / b:.2f}x)' if f and b else ''))" \
   "$out/gpu_small.json" "$out/bf16/gpu_small.json" || true
-python3 bench/checkpoint_save.py --device cuda --ranks 1 --gb 2 --out "$out/checkpoint_save.json" 2>&1 \
-    | tee "$out/checkpoint_save.txt"
-saves=${PIPESTATUS[0]}
+fi
 echo "gpu tests: exit $tests; GPT-2-small job: exit $small; in bf16: exit $bf16; checkpoint bench: exit $saves"
 exit $(( tests || small || bf16 || saves ))
