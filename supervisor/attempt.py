@@ -202,8 +202,11 @@ class Attempt:
         self.run_record.step = step
         saved = store.latest_valid(self.cfg.checkpoint.dir)
         how = "torchrun exited" if rc is not None else "the grace period ran out"
+        missed = (f" (none at the stop step {step}: see the ranks' logs in {self.spec.logs_dir})"
+                  if step is not None and self.cfg.checkpoint.local_dir is None  # a local tier's is copied later
+                  and (saved is None or saved.step < step) else "")
         return AttemptOutcome(api.STOPPED, f"stopped by {name} ({how}); newest valid checkpoint: "
-                              f"{saved.step if saved else 'none'}", None, rc, step)
+                              f"{saved.step if saved else 'none'}{missed}", None, rc, step)
 
     # ---- following the ranks --------------------------------------------------------------------------
 
