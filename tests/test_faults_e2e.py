@@ -45,7 +45,7 @@ def test_a_full_disk_fails_the_save_never_validates_it_and_stops_as_a_crash_loop
 def test_a_collective_timeout_is_classified_and_recovered(tmp_path):
     run_dir = tmp_path / "run"
     # The heartbeat timeout is long, so gloo's own 5 s timeout is what notices the stopped rank.
-    argv = run_job(run_dir, "collective_timeout_s=5", "heartbeat.timeout_s=120", "stop_timeout_s=5", steps=100)
+    argv = run_job(run_dir, "collective_timeout_s=5", "heartbeat.timeout_s=120", "stop_timeout_s=5", steps=60)
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=15), 90, "training")
         victim = next(r for r in ranks if r["rank"] == 1)
@@ -87,7 +87,7 @@ def test_a_straggler_is_reported_not_killed(tmp_path):
     run_dir = tmp_path / "run"
     # Attribution needs an agreement every step (the default for steps of half a second or more): between
     # agreements the others wait for the straggler inside FSDP's own collectives, where nobody measures.
-    argv = run_job(run_dir, steps=90, sleep=0.0, extra_args=("--test-slow-rank", "1:0.1", "--sync-every", "1"))
+    argv = run_job(run_dir, steps=60, sleep=0.0, extra_args=("--test-slow-rank", "1:0.1", "--sync-every", "1"))
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         def noted() -> dict | None:
             return next((r for r in state(run_dir).get("ranks", []) if r.get("note")), None)
