@@ -24,22 +24,22 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
   python3 -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| NCCL', '.'.join(map(str, torch.cuda.nccl.version())), '| GPUs', torch.cuda.device_count())"
 } 2>&1 | tee "$out/versions.txt"
 if [[ $part != jobs ]]; then
-python3 -m pytest -m gpu -p no:cacheprovider -v -rs 2>&1 | tee "$out/gpu_tests.txt"
-tests=${PIPESTATUS[0]}
-python3 bench/checkpoint_save.py --device cuda --ranks 1 --gb 2 --out "$out/checkpoint_save.json" 2>&1 \
-    | tee "$out/checkpoint_save.txt"
-saves=${PIPESTATUS[0]}
+  python3 -m pytest -m gpu -p no:cacheprovider -v -rs 2>&1 | tee "$out/gpu_tests.txt"
+  tests=${PIPESTATUS[0]}
+  python3 bench/checkpoint_save.py --device cuda --ranks 1 --gb 2 --out "$out/checkpoint_save.json" 2>&1 \
+      | tee "$out/checkpoint_save.txt"
+  saves=${PIPESTATUS[0]}
 fi
 if [[ $part != tests ]]; then
-python3 bench/gpu_small.py --out "$out" 2>&1 | tee "$out/gpu_small.txt"
-small=${PIPESTATUS[0]}
-# The same job in bf16 (FSDP2 MixedPrecisionPolicy) with a sharded EMA and the stateful loader: its step time
-# against fp32's above is the README's bf16 figure.
-python3 bench/gpu_small.py --out "$out/bf16" --entry-args "--precision bf16 --ema 0.999 --loader stateful" \
-  2>&1 | tee "$out/gpu_small_bf16.txt"
-bf16=${PIPESTATUS[0]}
-python3 -c "import json, sys; f, b = (json.load(open(p))['step_s_median'] for p in sys.argv[1:]); print(f'step time: fp32 {f} s, bf16 {b} s' + (f' ({f / b:.2f}x)' if f and b else ''))" \
-  "$out/gpu_small.json" "$out/bf16/gpu_small.json" || true
+  python3 bench/gpu_small.py --out "$out" 2>&1 | tee "$out/gpu_small.txt"
+  small=${PIPESTATUS[0]}
+  # The same job in bf16 (FSDP2 MixedPrecisionPolicy) with a sharded EMA and the stateful loader: its step time
+  # against fp32's above is the README's bf16 figure.
+  python3 bench/gpu_small.py --out "$out/bf16" --entry-args "--precision bf16 --ema 0.999 --loader stateful" \
+    2>&1 | tee "$out/gpu_small_bf16.txt"
+  bf16=${PIPESTATUS[0]}
+  python3 -c "import json, sys; f, b = (json.load(open(p))['step_s_median'] for p in sys.argv[1:]); print(f'step time: fp32 {f} s, bf16 {b} s' + (f' ({f / b:.2f}x)' if f and b else ''))" \
+    "$out/gpu_small.json" "$out/bf16/gpu_small.json" || true
 fi
 echo "gpu tests: exit $tests; GPT-2-small job: exit $small; in bf16: exit $bf16; checkpoint bench: exit $saves"
 exit $(( tests || small || bf16 || saves ))
