@@ -2,7 +2,7 @@
 supervisor's `Replicator`, against saving straight to the durable tier (`checkpoint.dir` on this machine's disk).
 
     python bench/tiers.py                       # CPU: 1 GB of state over 2 gloo ranks, local tier in /dev/shm
-    python bench/tiers.py --gb 2 --saves 6 --local /mnt/nvme --tmp /shared/fs   # a cluster node
+    python bench/tiers.py --gb 2 --saves 6 --local-tier /mnt/nvme --tmp /shared/fs   # a cluster node
 
 One torchrun job that this script launches itself, and a `Replicator` in this (torch-free) process, as the
 supervisor runs it: it copies each checkpoint the ranks commit to the local tier into the durable tier, verified
@@ -246,7 +246,7 @@ def summarise(ranks: list[dict[str, Any]], rep: dict[str, Any], beside: dict[str
 def report(o: dict[str, Any], args: argparse.Namespace) -> None:
     c, d, t = o["config"], o["direct"], o["tiered"]
     print(f"\n### Tiers: {o['params'] / 1e6:.1f}M params (GPT {c['n_layer']}×{c['n_embd']}), checkpoint "
-          f"{o['checkpoint_bytes'] / 1e9:.2f} GB, {args.ranks} rank(s) on {args.device}; local tier {args.local}, "
+          f"{o['checkpoint_bytes'] / 1e9:.2f} GB, {args.ranks} rank(s) on {args.device}; local tier {args.local_tier}, "
           f"durable tier {args.tmp or tempfile.gettempdir()}\n")
     print("| measure | local tier (then replicated) | straight to durable | ratio | goal |")
     print("|---|---:|---:|---:|---|")
@@ -270,7 +270,7 @@ def report(o: dict[str, Any], args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="resilient-bench-tiers-", dir=args.tmp))
-    local = Path(tempfile.mkdtemp(prefix="resilient-bench-local-", dir=args.local))
+    local = Path(tempfile.mkdtemp(prefix="resilient-bench-local-", dir=args.local_tier))
     stop = threading.Event()
     t0 = time.monotonic()
     proc = start_job(__file__, args, argv, tmp, ("--local-root", str(local / "local")))
@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--saves", type=int, default=4, help="timed saves per tier (after one untimed each)")
     p.add_argument("--loads", type=int, default=3, help="timed loads per tier")
     p.add_argument("--copies", type=int, default=6, help="replications and plain copies of one checkpoint, idle")
-    p.add_argument("--local", default="/dev/shm", help="parent of the local tier (default: /dev/shm, tmpfs)")
+    # Not `--local`: torchrun (2.11) reads an abbreviation of its own --local-addr in the worker's arguments
+    p.add_argument("--local-tier", default="/dev/shm", help="parent of the local tier (default: /dev/shm, tmpfs)")
     p.add_argument("--tmp", default=None, help="parent of the durable tier (default: the system's temp folder)")
     p.add_argument("--out", type=Path, default=RESULTS / "tiers.json")
     p.add_argument("--local-root", help=argparse.SUPPRESS)
