@@ -151,8 +151,11 @@ def _page_aligned_empty(nbytes: int, pin_memory: bool) -> torch.Tensor:
 
     arena = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
     if pin_memory:
-        err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, HOST_REGISTER_PORTABLE)
-        if int(err) != 0:  # registration refused (e.g. a locked-memory limit): torch's own pinned allocator
+        try:
+            err = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, HOST_REGISTER_PORTABLE))
+        except (AttributeError, RuntimeError, TypeError):  # no such binding in this build (e.g. ROCm)
+            err = -1
+        if err != 0:  # refused (e.g. a locked-memory limit) or unavailable: torch's own pinned allocator
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         _REGISTERED.add(arena.data_ptr())
     return arena
