@@ -128,6 +128,43 @@ def test_an_arena_prepared_in_the_background_is_the_one_the_first_save_uses(ctx,
     assert ckpt._stager._preparing is None and ckpt._stager.allocations == 1
 
 
+def test_a_registered_arena_is_unregistered_once_when_the_layout_changes(monkeypatch):
+    """The CUDA registration's bookkeeping, with a stand-in for the CUDA runtime (the real one runs in
+    tests/test_gpu.py on a GPU machine): each arena registered once, unregistered before its successor is
+    taken; a refused registration falls back to torch's pinned allocator and is never unregistered."""
+    import torch
+
+    from train_entry import staging
+
+    calls: list[tuple[str, int]] = []
+
+    class Runtime:
+        refuse = False
+
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", ptr))
+            return 1 if self.refuse else 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    runtime = Runtime()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    stager = staging.HostStager(pin_memory=True)
+    stager.stage({"w": torch.ones(100)})
+    first = stager.arena.data_ptr()
+    stager.stage({"w": torch.ones(100)})  # the same layout: nothing registered again
+    assert calls == [("register", first)]
+    runtime.refuse = True
+    pinned = []
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: pinned.append(k) or torch.zeros(*a, dtype=k["dtype"]))
+    stager.stage({"w": torch.ones(200)})
+    assert calls[1:] == [("unregister", first), ("register", calls[2][1])] and pinned[0]["pin_memory"]
+    stager.stage({"w": torch.ones(300)})  # the fallback arena was never registered: nothing to unregister
+    assert [c for c, _ in calls].count("unregister") == 1
+
+
 def test_a_checkpoint_written_by_torchs_own_writer_still_loads(ctx, tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -73,6 +73,7 @@ class HostStager:
         self.pin_memory = pin_memory
         self.device = device  # the rank's GPU: a thread that pins must not open a context on GPU 0
         self.arena: torch.Tensor | None = None  # uint8, every slot inside it
+        self._registered = False  # the arena is registered with CUDA (unregistered before it is dropped)
         self._layout: Layout | None = None
         self._slots: dict[Path, torch.Tensor] = {}
         self._preparing: threading.Thread | None = None
@@ -101,10 +102,11 @@ class HostStager:
         self._preparing.start()
 
     def _allocate(self, layout: Layout) -> None:
-        old, self._slots, self.arena, self._layout = self.arena, {}, None, None
-        if old is not None:  # drop the old arena before taking a new one: never two at once
-            _release(old)
-        del old
+        old, registered = self.arena, self._registered
+        self._slots, self.arena, self._layout, self._registered = {}, None, None, False
+        if old is not None and registered:
+            torch.cuda.cudart().cudaHostUnregister(old.data_ptr())
+        del old  # drop the old arena before taking a new one: never two at once
         offsets: dict[Path, int] = {}
         end = 0
         for sharded in (True, False):  # the shards first: one page-aligned region for the persist to write
@@ -114,11 +116,11 @@ class HostStager:
                     end += (shape.numel() * dtype.itemsize + ALIGN - 1) // ALIGN * ALIGN
             if sharded:
                 end = (end + PAGE - 1) // PAGE * PAGE
-        arena = _page_aligned_empty(max(end, PAGE), self.pin_memory)
+        arena, registered = _page_aligned_empty(max(end, PAGE), self.pin_memory)
         for path, shape, dtype, _ in layout:
             nbytes = shape.numel() * dtype.itemsize
             self._slots[path] = arena[offsets[path]:offsets[path] + nbytes].view(dtype).view(shape)
-        self.arena, self._layout = arena, layout
+        self.arena, self._layout, self._registered = arena, layout, registered
         self.allocations += 1
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
@@ -144,9 +146,10 @@ class HostStager:
         return staged
 
 
-def _page_aligned_empty(nbytes: int, pin_memory: bool) -> torch.Tensor:
+def _page_aligned_empty(nbytes: int, pin_memory: bool) -> tuple[torch.Tensor, bool]:
     """A uint8 host buffer of `nbytes` (a multiple of PAGE) that starts on a page boundary, as O_DIRECT needs:
-    an anonymous mapping (its tensor's storage holds it), registered with CUDA when `pin_memory`."""
+    an anonymous mapping (its tensor's storage holds it), registered with CUDA when `pin_memory`. Returns it and
+    whether it was registered (else, when pinned, it comes from torch's own pinned allocator)."""
     import mmap
 
     arena = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
@@ -156,16 +159,6 @@ def _page_aligned_empty(nbytes: int, pin_memory: bool) -> torch.Tensor:
         except (AttributeError, RuntimeError, TypeError):  # no such binding in this build (e.g. ROCm)
             err = -1
         if err != 0:  # refused (e.g. a locked-memory limit) or unavailable: torch's own pinned allocator
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        _REGISTERED.add(arena.data_ptr())
-    return arena
-
-
-_REGISTERED: set[int] = set()  # arenas registered with CUDA, by address
-
-
-def _release(arena: torch.Tensor) -> None:
-    """Unregister an arena from CUDA before it is dropped (its mapping goes with its last view)."""
-    if arena.data_ptr() in _REGISTERED:
-        _REGISTERED.discard(arena.data_ptr())
-        torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False
+        return arena, True
+    return arena, False
