@@ -64,7 +64,11 @@ def torchrun_argv(cfg: JobConfig, spec: AttemptSpec, *, python: str = sys.execut
              "--log-dir", str(spec.logs_dir / "ranks"), "--redirects", "3"]
     entry = ["-m", cfg.entrypoint.module] if cfg.entrypoint.module else [str(cfg.entrypoint.script)]
     entry += list(cfg.entrypoint.args)
-    return argv + (prewarm.client_argv(entry) if prewarmed else entry)
+    if prewarmed:
+        entry = prewarm.client_argv(entry)
+    # `--` ends torchrun's options: argparse classifies every token, the entry point's own included, and refuses
+    # one that abbreviates two of torchrun's options (`--local`, `--node`, `--rdzv`…) before it looks at the script.
+    return argv + (["-m", "--", *entry[1:]] if entry[0] == "-m" else ["--", *entry])
 
 
 def worker_env(cfg: JobConfig, handover: Handover, base: dict[str, str] | None = None) -> dict[str, str]:

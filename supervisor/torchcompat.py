@@ -36,7 +36,7 @@ def torchrun_args(args: list[str], parser: argparse.ArgumentParser) -> list[str]
     i = 0
     while i < len(args):
         token = args[i]
-        if not token.startswith("-") or token in ("-m", "--module"):
+        if not token.startswith("-") or token in ("-m", "--module", "--"):
             return out + args[i:]  # the entry point and its own arguments
         flag, eq, _ = token.partition("=")
         following = args[i + 1] if i + 1 < len(args) else None

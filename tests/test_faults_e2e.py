@@ -1,7 +1,7 @@
 """More real faults under `resilient run`: a full disk, a collective that times out, a long synchronous
 save that must not count as a hang, a straggler that is reported but not killed, a real out-of-memory error,
-a rank preempted by someone else, torchrun itself killed, an import error in a worker, a spent restart
-budget, and the `auto` interval."""
+a rank preempted by someone else, torchrun itself killed, an import error in a worker, entry-point arguments
+that torchrun would take for its own, a spent restart budget, and the `auto` interval."""
 
 from __future__ import annotations
 
@@ -135,6 +135,23 @@ def test_an_import_error_in_a_workers_script_is_a_config_error_and_is_not_retrie
     history = status(tmp_path / "runs" / "broken")["history"]
     assert [h["reason"] for h in history] == ["config"] and "no_such_module_for_resilient" in history[0]["detail"]
     assert "a configuration or import error, which a restart cannot fix" in console
+
+
+def test_the_entry_points_own_arguments_reach_it_even_where_they_abbreviate_torchruns_options(tmp_path):
+    """torchrun's argparse classifies every token and refuses `--local` (its --local-addr or --local-ranks-filter?)
+    even after the script: resilient hands torchrun a `--` before the entry point, so the run starts and the
+    script gets its arguments as the job file wrote them."""
+    script = tmp_path / "train.py"
+    script.write_text("import json, os, sys\n"
+                      "open(os.path.join(os.path.dirname(__file__), 'argv_' + os.environ['RANK']), 'w')"
+                      ".write(json.dumps(sys.argv[1:]))\n")
+    args = ["--local", "x", "--node=1", "--rdzv", "--", "--max"]
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: args\nentrypoint: {{script: {script}, args: {json.dumps(args)}}}\nnproc_per_node: 2\n")
+    with started(resilient("run", job), tmp_path, log=tmp_path / "sup.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    assert [json.loads((tmp_path / f"argv_{r}").read_text()) for r in (0, 1)] == [args, args]
+    assert [h["reason"] for h in status(tmp_path / "runs" / "args")["history"]] == ["finished"]
 
 
 def test_the_restart_budget_runs_out_and_the_run_stops_with_exit_1(tmp_path):

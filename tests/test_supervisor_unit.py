@@ -310,8 +310,8 @@ def test_run_builds_the_exact_torchrun_argv_cold_and_prewarmed(tmp_path, cli, mo
     logs = tmp_path / "runs/demo/logs/attempt_1"
     assert cold.argv == [sys.executable, "-m", "supervisor.torchrun", "--nnodes", "1", "--nproc-per-node", "2",
                          "--standalone", "--max-restarts", "0", "--monitor-interval", "0.1", "--shutdown-timeout",
-                         "15", "--log-dir", str(logs / "ranks"), "--redirects", "3", "-m", "train_entry", "--steps",
-                         "10"]
+                         "15", "--log-dir", str(logs / "ranks"), "--redirects", "3", "-m", "--", "train_entry",
+                         "--steps", "10"]
     handover = Handover.from_env(cold.env)
     assert handover.ckpt_interval == 5 and handover.attempt == 1 and handover.resume_step is None
     assert handover.heartbeat_dir == str(tmp_path / "runs/demo/heartbeats/attempt_1")
@@ -323,8 +323,8 @@ def test_run_builds_the_exact_torchrun_argv_cold_and_prewarmed(tmp_path, cli, mo
     assert cli("run", job, "--set", "entrypoint.args=[--steps, 20]").exit_code == 0
     warm = Recorded.started[1]
     assert server.launched == [warm.argv[1:]] and warm.forked is not None
-    assert warm.argv[warm.argv.index("--redirects") + 2:] == ["-m", "supervisor.prewarm_client", "-m", "train_entry",
-                                                              "--steps", "20"]
+    assert warm.argv[warm.argv.index("--redirects") + 2:] == ["-m", "--", "supervisor.prewarm_client", "-m",
+                                                              "train_entry", "--steps", "20"]
     assert warm.env["RESILIENT_PREWARM_SOCKET"] == server.socket
 
 
@@ -345,7 +345,8 @@ def test_multinode_argv_uses_the_rendezvous(tmp_path):
     assert argv[16] == "7" and argv[-1] == str(tmp_path / "t.py")
     # Prewarmed workers: torchrun starts the client, which takes the entry point and its args as they were.
     warm = torchrun_argv(cfg, spec, python="py", max_restarts=7, prewarmed=True)
-    assert warm[:-3] == argv[:-1] and warm[-3:] == ["-m", "supervisor.prewarm_client", str(tmp_path / "t.py")]
+    assert argv[-2:] == ["--", str(tmp_path / "t.py")]  # `--`: whatever the script's args, they are its own
+    assert warm[:-4] == argv[:-2] and warm[-4:] == ["-m", "--", "supervisor.prewarm_client", str(tmp_path / "t.py")]
     # A node's own rendezvous address (several nodes on one host, or a multi-homed host) reaches torchrun.
     pinned = torchrun_argv(load_job(job, ["rdzv.local_addr=127.0.0.2"]), spec, python="py", max_restarts=7)
     assert pinned[15:17] == ["--local-addr", "127.0.0.2"] and pinned[17:19] == ["--max-restarts", "7"]

@@ -8,8 +8,8 @@ import argparse
 from supervisor.torchcompat import torchrun_args
 
 ARGS = ["--nnodes", "1", "--nproc-per-node", "2", "--standalone", "--max-restarts", "0",
-        "--shutdown-timeout", "15", "--log-dir", "/l", "--redirects", "3", "-m", "train_entry",
-        "--shutdown-timeout", "9", "--steps", "10"]
+        "--shutdown-timeout", "15", "--log-dir", "/l", "--redirects", "3", "-m", "--", "train_entry",
+        "--shutdown-timeout", "9", "--local", "x", "--steps", "10"]
 
 
 def older_torchrun_parser() -> argparse.ArgumentParser:
@@ -25,9 +25,11 @@ def older_torchrun_parser() -> argparse.ArgumentParser:
 def test_a_tuning_option_torchrun_lacks_is_dropped_with_its_value_and_only_before_the_entry():
     out = torchrun_args(ARGS, older_torchrun_parser())
     assert out == ["--nnodes", "1", "--nproc-per-node", "2", "--standalone", "--max-restarts", "0",
-                   "--log-dir", "/l", "--redirects", "3", "-m", "train_entry",
-                   "--shutdown-timeout", "9", "--steps", "10"]  # the entry point's own args are its own
+                   "--log-dir", "/l", "--redirects", "3", "-m", "--", "train_entry",
+                   "--shutdown-timeout", "9", "--local", "x", "--steps", "10"]  # the entry point's own args
     assert torchrun_args(["--shutdown-timeout=15", "s.py"], older_torchrun_parser()) == ["s.py"]
+    assert torchrun_args(["--shutdown-timeout=15", "--", "s.py", "--x", "y"], older_torchrun_parser()) == \
+        ["--", "s.py", "--x", "y"]
 
 
 def test_the_installed_torchrun_gets_every_option_it_knows():
@@ -39,6 +41,8 @@ def test_the_installed_torchrun_gets_every_option_it_knows():
     assert out == ARGS if knows else ("--shutdown-timeout" not in out[:out.index("-m")])
     parsed = parser.parse_args(out)  # whatever we pass, this torchrun accepts
     assert parsed.module and parsed.training_script == "train_entry"
+    # `--local` abbreviates two of torchrun's options: after `--` it is the entry point's, as it was written
+    assert parsed.training_script_args == ["--shutdown-timeout", "9", "--local", "x", "--steps", "10"]
 
 
 def test_options_torchrun_does_not_know_and_we_do_not_tune_still_reach_it():
