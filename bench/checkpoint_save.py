@@ -204,17 +204,28 @@ def worker(args: argparse.Namespace) -> None:
     files = sorted(step_dir(state.step).glob("__*_0.distcp"))
 
     # ---- loads, and the plain read of the same files; both from the disk (evicted first)
-    loads, reads = [], []
+    loads, reads, load_parts = [], [], []
     for _ in range(args.saves):
         if rank == 0:
             evict(files)
         barrier()
         t0 = time.monotonic()
-        sd = ckpt.load(step_dir(state.step), lambda keys: state.template(rank, keys, world_size=ctx.world_size))
+        marks: list[float] = []
+
+        def template(keys: set[str], marks: list[float] = marks) -> dict[str, Any]:
+            marks.append(time.monotonic())
+            out = state.template(rank, keys, world_size=ctx.world_size)
+            marks.append(time.monotonic())
+            return out
+
+        sd = ckpt.load(step_dir(state.step), template)
+        t_read = time.monotonic()
         state.load(sd, rank, ctx.device, 0, world_size=ctx.world_size)
         sync_device()
         barrier()
         loads.append(time.monotonic() - t0)
+        load_parts.append({"metadata_s": marks[0] - t0, "template_s": marks[1] - marks[0],
+                           "dcp_load_s": t_read - marks[1], "hand_over_s": loads[-1] - (t_read - t0)})
         if rank == 0:
             evict(files)
         barrier()
@@ -241,6 +252,7 @@ def worker(args: argparse.Namespace) -> None:
     mine = {"rank": rank, "params": sum(p.numel() for p in model.parameters()), "config": vars(cfg),
             "shard_bytes": shard_bytes, "ckpt_bytes": ckpt_bytes, "file_bytes": sum(f.stat().st_size for f in files),
             "copy_floor_s": copies, "sync_s": syncs, "raw_write_s": raws, "load_s": loads, "plain_read_s": reads,
+            "load_parts": load_parts,
             "asyncs": asyncs, "steady_steps_s": steady, "arena_bytes": ckpt._stager.nbytes,
             "arena_allocations": ckpt._stager.allocations,
             "async_rss_increase_mb": _status_mb("VmRSS") - rss_before}
@@ -287,6 +299,8 @@ def summarise(ranks: list[dict[str, Any]], wall_s: float, args: argparse.Namespa
         "steps_while_persisting": len(during) // max(1, len(ranks)),
         "step_slowdown_while_persisting": (med(during) / med(steady) - 1) if during else None,
         "load_s": med(load_s), "plain_read_s": med(read_s), "load_vs_plain_read": med(read_s) / med(load_s),
+        "load_parts_s": {k: med(max(r["load_parts"][i][k] for r in ranks) for i in range(len(load_s)))
+                         for k in ranks[0]["load_parts"][0]},
         "arena_bytes": [r["arena_bytes"] for r in ranks], "arena_allocations": [r["arena_allocations"] for r in ranks],
         "shard_bytes": [r["shard_bytes"] for r in ranks],
         "async_rss_increase_mb": [round(r["async_rss_increase_mb"]) for r in ranks],  # after the saves, at rest
@@ -316,6 +330,10 @@ def report(o: dict[str, Any], args: argparse.Namespace) -> None:
           f"steps per save) | | {'-' if slow is None else f'{slow:+.0%}'} | ≤ +5% |")
     print(f"| load from disk (page cache evicted) | {o['load_s']:.2f} s | plain sequential read {o['plain_read_s']:.2f}"
           f" s | {o['load_vs_plain_read']:.2f} | ≥ 0.7 |")
+    parts = o["load_parts_s"]
+    print(f"| load, its parts (slowest rank, median): metadata / template / DCP's read / hand-over | "
+          f"{parts['metadata_s']:.3f} / {parts['template_s']:.3f} / {parts['dcp_load_s']:.3f} / "
+          f"{parts['hand_over_s']:.3f} s | | | |")
     arena = ", ".join(f"{a / 1e6:.0f}" for a in o["arena_bytes"])
     shard = ", ".join(f"{s / 1e6:.0f}" for s in o["shard_bytes"])
     print(f"| host memory: staging arena per rank (allocations) | {arena} MB ({o['arena_allocations']}) | "

@@ -10,9 +10,9 @@ against the manifest. Each rank builds an FSDP2 GPT (`train_entry.model`) whose 
 come to `--gb` GB over all ranks, then alternates saves to the two tiers, training all the while:
 
 - training-visible cost of one save: the blocking part plus the extra time of the steps that ran beside it (their
-  time over the steady step's), counted until the save's work is over: until the commit for a save straight to
-  the durable tier; until the durable copy is committed too for a save to the local tier (so the replication's
-  share of the machine counts against the local tier);
+  time over the steady step's mean, each step taken at its slowest rank), counted twice: until the ranks' commit
+  (the issue's measure: the steps beside the persist), and until the save's work is over, i.e. for a save to the
+  local tier until its durable copy is committed too (the replication's share of the machine counted against it);
 - replication lag: local commit → durable commit, seconds and the steps trained meanwhile. A replaced node loses
   at most one interval plus these steps (tests/test_tiers_e2e.py shows it with a real node loss);
 - relaunch load of the same checkpoint from each tier, with the page cache dropped before the durable read
@@ -212,7 +212,10 @@ def replication_vs_copy(local: Path, scratch: Path, trials: int) -> dict[str, An
 def summarise(ranks: list[dict[str, Any]], rep: dict[str, Any], beside: dict[str, Any], wall_s: float,
               args: argparse.Namespace) -> dict[str, Any]:
     med = statistics.median
-    steady = med(s for r in ranks for s in r["steady_steps_s"])
+    # The baseline a window of steps is compared with: the same statistic (each step's slowest rank), averaged.
+    # A median would sit below the mean of any right-skewed step time, and charge every window that bias once
+    # per step: the local tier's longer windows (persist, then replication) the most.
+    steady = statistics.fmean(max(v) for v in zip(*(r["steady_steps_s"] for r in ranks), strict=True))
 
     def arm(name: str) -> dict[str, Any]:
         per = []
@@ -220,8 +223,11 @@ def summarise(ranks: list[dict[str, Any]], rep: dict[str, Any], beside: dict[str
             each = [r["saves"][name][i] for r in ranks]
             slowest_steps = [max(v) for v in zip(*(e["steps_s"] for e in each), strict=True)]
             extra = sum(slowest_steps) - steady * len(slowest_steps)
+            persisting = slowest_steps[:len(slowest_steps) - each[0]["lag_steps"]]  # until the rank's commit
+            persist_extra = sum(persisting) - steady * len(persisting)
             blocking = max(e["blocking_s"] for e in each)
             per.append({"blocking_s": blocking, "steps_extra_s": extra, "cost_s": blocking + extra,
+                        "persist_extra_s": persist_extra, "persist_cost_s": blocking + persist_extra,
                         "steps": len(slowest_steps), "to_commit_s": max(e["to_commit_s"] for e in each),
                         "lag_s": max(e["lag_s"] for e in each), "lag_steps": max(e["lag_steps"] for e in each)})
         return {k: med(p[k] for p in per) for k in per[0]} | {"each": per}
@@ -233,6 +239,7 @@ def summarise(ranks: list[dict[str, Any]], rep: dict[str, Any], beside: dict[str
         "args": {k: str(v) for k, v in vars(args).items()}, "wall_s": round(wall_s, 1), "params": ranks[0]["params"],
         "config": ranks[0]["config"], "checkpoint_bytes": ranks[0]["checkpoint_bytes"], "step_s_steady": steady,
         "direct": direct, "tiered": tiered, "cost_ratio": tiered["cost_s"] / direct["cost_s"],
+        "persist_cost_ratio": tiered["persist_cost_s"] / direct["persist_cost_s"],
         "load_local_s": med(loads["local"]), "load_durable_s": med(loads["durable"]),
         "load_speedup": med(loads["durable"]) / med(loads["local"]), "cache_drop": ranks[0]["cache_drop"],
         "replicate_s": med(rep["replicate_s"]), "plain_copy_s": med(rep["plain_copy_s"]),
@@ -250,9 +257,13 @@ def report(o: dict[str, Any], args: argparse.Namespace) -> None:
           f"durable tier {args.tmp or tempfile.gettempdir()}\n")
     print("| measure | local tier (then replicated) | straight to durable | ratio | goal |")
     print("|---|---:|---:|---:|---|")
-    print(f"| training-visible cost of a save: blocking + extra step time beside it | {t['cost_s']:.3f} s "
-          f"({t['blocking_s']:.3f} + {t['steps_extra_s']:.3f}) | {d['cost_s']:.3f} s ({d['blocking_s']:.3f} + "
-          f"{d['steps_extra_s']:.3f}) | {o['cost_ratio']:.2f} | ≤ 0.33 |")
+    print(f"| training-visible cost of a save: blocking + extra step time beside its persist (the issue's measure)"
+          f" | {t['persist_cost_s']:.3f} s ({t['blocking_s']:.3f} + {t['persist_extra_s']:.3f}) | "
+          f"{d['persist_cost_s']:.3f} s ({d['blocking_s']:.3f} + {d['persist_extra_s']:.3f}) | "
+          f"{o['persist_cost_ratio']:.2f} | ≤ 0.33 |")
+    print(f"| the same, counted until the durable copy is committed (the replication's share too) | "
+          f"{t['cost_s']:.3f} s ({t['blocking_s']:.3f} + {t['steps_extra_s']:.3f}) | {d['cost_s']:.3f} s "
+          f"({d['blocking_s']:.3f} + {d['steps_extra_s']:.3f}) | {o['cost_ratio']:.2f} | ≤ 0.33 |")
     print(f"| steps beside a save (persist, + replication for the local tier) | {t['steps']:.0f} | {d['steps']:.0f}"
           f" | | steady step {o['step_s_steady']:.3f} s |")
     print(f"| save call → committed (local / durable) | {t['to_commit_s']:.2f} s | {d['to_commit_s']:.2f} s | "
