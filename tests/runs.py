@@ -57,6 +57,13 @@ def live_ranks(run_dir: Path, min_step: int = 0, nproc: int = 2) -> list[dict]:
     return []
 
 
+def alive_ranks(run_dir: Path, nproc: int = 2) -> list[dict]:
+    """The `nproc` ranks of the running attempt once all are alive, whatever their phase (a rank blocked in a
+    save shows phase `save`); else []."""
+    ranks = [r for r in state(run_dir).get("ranks", []) if r.get("alive")]
+    return ranks if len(ranks) == nproc else []
+
+
 def rank_log(run_dir: Path, attempt: int, rank: int, stream: str = "stderr") -> str:
     """What rank `rank` (on a single node: its local rank) of attempt `attempt` wrote to `stream`."""
     found = sorted((run_dir / "logs" / f"attempt_{attempt}").rglob(f"{rank}/{stream}.log"))

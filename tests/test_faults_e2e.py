@@ -45,7 +45,7 @@ def test_a_full_disk_fails_the_save_never_validates_it_and_stops_as_a_crash_loop
 def test_a_collective_timeout_is_classified_and_recovered(tmp_path):
     run_dir = tmp_path / "run"
     # The heartbeat timeout is long, so gloo's own 5 s timeout is what notices the stopped rank.
-    argv = run_job(run_dir, "collective_timeout_s=5", "heartbeat.timeout_s=120", "stop_timeout_s=5", steps=60)
+    argv = run_job(run_dir, "collective_timeout_s=5", "heartbeat.timeout_s=120", "stop_timeout_s=5", steps=100)
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=15), 90, "training")
         victim = next(r for r in ranks if r["rank"] == 1)
@@ -168,7 +168,7 @@ def test_the_restart_budget_runs_out_and_the_run_stops_with_exit_1(tmp_path):
 def test_an_auto_interval_is_chosen_by_the_supervisor_and_followed_by_the_ranks_across_a_relaunch(tmp_path):
     run_dir = tmp_path / "run"
     argv = run_job(run_dir, "checkpoint.interval_steps=auto", "checkpoint.expected_mtbf_s=20",
-                   "checkpoint.min_interval_steps=5", "checkpoint.max_interval_steps=40", steps=160, sleep=0.01)
+                   "checkpoint.min_interval_steps=5", "checkpoint.max_interval_steps=40", steps=240, sleep=0.01)
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         wait_for(lambda: "(from the supervisor)" in rank_log(run_dir, 1, 0), 120, "rank 0 to take the interval")
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=60), 120, "step 60")
@@ -181,7 +181,7 @@ def test_an_auto_interval_is_chosen_by_the_supervisor_and_followed_by_the_ranks_
     assert "checkpoint interval" in console and (run_dir / "control.json").is_file()
     for attempt in (1, 2):
         commits = [r.step for r in read_step_log(run_dir / "steps" / f"attempt_{attempt}.jsonl")
-                   if isinstance(r, CommitRecord) and r.step != 160]  # the final save comes when training ends
+                   if isinstance(r, CommitRecord) and r.step != 240]  # the final save comes when training ends
         gaps = {b - a for a, b in itertools.pairwise(commits)}  # counted from the last save, not multiples
         assert commits and all(5 <= g <= 40 for g in gaps) and commits[0] != 50, (attempt, commits)
     assert [h["reason"] for h in doc["history"]] == ["worker_signal", "finished"]

@@ -29,8 +29,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 NPROC = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 1
 
 
-def gpu_job(run_dir, steps: int, *extra: str) -> list[str]:
-    return run_job(run_dir, f"nproc_per_node={NPROC}", "checkpoint.verify=checksum", steps=steps, sleep=0.0,
+def gpu_job(run_dir, steps: int, *extra: str, sleep: float = 0.0) -> list[str]:
+    """The killed runs sleep per step (a GPU step of this model takes milliseconds, shorter than the heartbeats
+    through which the test sees a step); the numbers they compute are the same."""
+    return run_job(run_dir, f"nproc_per_node={NPROC}", "checkpoint.verify=checksum", steps=steps, sleep=sleep,
                    device="cuda", extra_args=("--n-layer", "4", "--n-embd", "256", "--batch", "32", *extra))
 
 
@@ -69,7 +71,7 @@ def test_nccl_run_survives_two_sigkills_resumes_bitwise_exact_and_verifies(tmp_p
     def attempt_ranks(attempt: int, min_step: int = 0) -> list[dict]:
         return live_ranks(killed, min_step, nproc=NPROC) if state(killed).get("attempt") == attempt else []
 
-    with started(gpu_job(killed, 160), tmp_path, log=tmp_path / "killed.log") as sup:
+    with started(gpu_job(killed, 160, sleep=0.05), tmp_path, log=tmp_path / "killed.log") as sup:
         for attempt, at_step in ((1, 30), (2, 70)):
             ranks = wait_for(lambda a=attempt, s=at_step: attempt_ranks(a, s), 180, f"attempt {attempt} training")
             os.kill(ranks[-1]["pid"], signal.SIGKILL)
@@ -99,7 +101,7 @@ def test_mixed_precision_with_ema_and_stateful_loader_resumes_bitwise_after_two_
     def attempt_ranks(attempt: int, min_step: int) -> list[dict]:
         return live_ranks(killed, min_step, nproc=NPROC) if state(killed).get("attempt") == attempt else []
 
-    with started(gpu_job(killed, 120, *extra), tmp_path, log=tmp_path / "killed.log") as sup:
+    with started(gpu_job(killed, 120, *extra, sleep=0.05), tmp_path, log=tmp_path / "killed.log") as sup:
         for attempt, at_step in ((1, 30), (2, 50)):
             ranks = wait_for(lambda a=attempt, s=at_step: attempt_ranks(a, s), 180, f"attempt {attempt} training")
             os.kill(ranks[-1]["pid"], signal.SIGKILL)

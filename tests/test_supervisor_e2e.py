@@ -17,16 +17,15 @@ from supervisor import store
 from supervisor.protocol import CommitRecord, SaveRecord, read_step_log
 from tests.ckpt_helpers import assert_same_training_state
 from tests.proc import REPO, Proc, child_env, started, wait_for
-from tests.runs import JOB, RUN_TIMEOUT, live_ranks, rank_log, resilient, run_job, state, status
+from tests.runs import JOB, RUN_TIMEOUT, alive_ranks, live_ranks, rank_log, resilient, run_job, state, status
 
 pytestmark = pytest.mark.slow
 
 def test_sigkill_of_a_random_worker_at_a_random_moment(tmp_path, rng):
     run_dir = tmp_path / "run"
-    kill_after = rng.uniform(0.0, 2.5)
+    kill_at = rng.randint(5, 45)  # the random moment, within training (the run ends at 120)
     with started(run_job(run_dir), tmp_path, log=tmp_path / "sup.log") as sup:
-        ranks = wait_for(lambda: live_ranks(run_dir, min_step=5), 90, "training on both ranks")
-        time.sleep(kill_after)  # the random moment, within training
+        ranks = wait_for(lambda: live_ranks(run_dir, min_step=kill_at), 90, f"both ranks past step {kill_at}")
         victim = rng.choice(ranks)
         before = store.latest_valid(run_dir / "checkpoints")
         os.kill(victim["pid"], signal.SIGKILL)
@@ -89,8 +88,10 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous(tmp_path):
     argv = run_job(run_dir, steps=80, extra_args=("--test-save-pause", "mid_data:60@40", "--test-attempts", "1"))
     partial = run_dir / "checkpoints" / store.partial_dirname(40)
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
-        wait_for(lambda: (partial / "__1_0.distcp").exists() and live_ranks(run_dir), 90, "the save of step 40")
-        os.kill(live_ranks(run_dir)[0]["pid"], signal.SIGKILL)
+        # The paused save holds the ranks in phase `save` from step 60 on: alive in any phase will do.
+        ranks = wait_for(lambda: (partial / "__1_0.distcp").exists() and alive_ranks(run_dir), 90,
+                         "the save of step 40")
+        os.kill(ranks[0]["pid"], signal.SIGKILL)
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
         console = sup.output()
     doc = status(run_dir)
@@ -186,18 +187,18 @@ def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
     """Two SIGKILLs: attempt 3's ranks are forks of the prewarm server, and the final model and optimizer
     equal those of an uninterrupted run, tensor by tensor; every checkpoint written verifies byte for byte."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    with started(run_job(straight, steps=120, sleep=0.0), tmp_path, log=tmp_path / "straight.log") as sup:
+    with started(run_job(straight, steps=160, sleep=0.0), tmp_path, log=tmp_path / "straight.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
     # One worker group made every save of the uninterrupted run, async: a stager reused across saves.
     records = read_step_log(straight / "steps" / "attempt_1.jsonl")
     saves = [r.step for r in records if isinstance(r, SaveRecord)]
     commits = [r.step for r in records if isinstance(r, CommitRecord)]
-    assert saves == commits == list(range(20, 121, 20)) and len(status(straight)["history"]) == 1
+    assert saves == commits == list(range(20, 161, 20)) and len(status(straight)["history"]) == 1
 
     def attempt_ranks(attempt: int, min_step: int = 0) -> list[dict]:
         return live_ranks(killed, min_step) if state(killed).get("attempt") == attempt else []
 
-    with started(run_job(killed, steps=120), tmp_path, log=tmp_path / "killed.log") as sup:
+    with started(run_job(killed, steps=160), tmp_path, log=tmp_path / "killed.log") as sup:
         for attempt, at_step in ((1, 30), (2, 70)):
             ranks = wait_for(lambda a=attempt, s=at_step: attempt_ranks(a, s), 90, f"attempt {attempt} training")
             os.kill(ranks[1]["pid"], signal.SIGKILL)
@@ -214,12 +215,12 @@ def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
     assert [h["reason"] for h in status(killed)["history"]] == ["worker_signal", "worker_signal", "finished"]
     a, b = store.latest_valid(straight / "checkpoints"), store.latest_valid(killed / "checkpoints")
-    assert a.step == b.step == 120
+    assert a.step == b.step == 160
     assert_same_training_state(a.path, b.path)
     verify = subprocess.run(resilient("inspect-checkpoint", killed, "--verify", "--json"), capture_output=True,
                             text=True, env=child_env(), timeout=60)
     doc = json.loads(verify.stdout)
-    assert verify.returncode == 0 and doc["verified"] and doc["latest_valid_step"] == 120, verify.stderr
+    assert verify.returncode == 0 and doc["verified"] and doc["latest_valid_step"] == 160, verify.stderr
     assert {c["status"] for c in doc["checkpoints"]} == {"valid"} and len(doc["checkpoints"]) == 3  # keep: 3
 
 
