@@ -125,18 +125,19 @@ class Checkpointer:
         """
         t0 = time.monotonic()
         self.wait()
-        sd = state_dict()
-        if sync or not self.async_save:
-            on_device = self.ctx.device.type != "cpu"
-            try:
-                if on_device:
-                    sd = self._stage(sd)
-                self._persist(step, sd, extra or {}, t0, blocking_s=None, arena=self._stager.arena if on_device
-                              else None)
-            except Exception as e:  # the same news as a failed background save: the supervisor classifies it
-                raise CheckpointError(f"checkpoint save failed: {e}") from e
-            return time.monotonic() - t0
-        staged = self._stage(sd)
+        with _collection_paused():  # the background persist is left alone: pausing is process-wide
+            sd = state_dict()
+            if sync or not self.async_save:
+                on_device = self.ctx.device.type != "cpu"
+                try:
+                    if on_device:
+                        sd = self._stage(sd)
+                    self._persist(step, sd, extra or {}, t0, blocking_s=None,
+                                  arena=self._stager.arena if on_device else None)
+                except Exception as e:  # the same news as a failed background save: the supervisor classifies it
+                    raise CheckpointError(f"checkpoint save failed: {e}") from e
+                return time.monotonic() - t0
+            staged = self._stage(sd)
         blocking = time.monotonic() - t0
         self.in_flight = step
         self._thread = threading.Thread(target=self._persist_in_background, name=f"resilient-save-{step}",
@@ -246,9 +247,10 @@ class Checkpointer:
 
 @contextlib.contextmanager
 def _collection_paused() -> Iterator[None]:
-    """No automatic garbage collection inside: a load unpickles enough objects to set off a full collection,
-    which in a process that imported torch and was not frozen by the prewarm server walks ~250k objects
-    (0.14-0.2 s measured, on one rank at a time, while the others wait in DCP's next collective)."""
+    """No automatic garbage collection inside: a load or a save allocates enough objects to set off a full
+    collection, which in a process whose objects nobody froze (train_entry.session does at the start of
+    training; the prewarm server for its imports) walks ~250k of them: 0.14-0.2 s measured, on one rank at a
+    time, while the others wait in DCP's next collective."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
