@@ -24,7 +24,6 @@ noisy: compare figures from the same run only.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -142,10 +141,6 @@ def setup_rank(args: argparse.Namespace) -> Rank:
         state.step += 1
         return time.monotonic() - t
 
-    # As train_entry.session does when training begins: what exists now leaves the collector's full walks
-    # (without it a full collection takes ~0.17 s here and lands inside saves and loads, on one rank at a time).
-    gc.collect(1)
-    gc.freeze()
     return Rank(ctx, cfg, model, state, train_step, sync_device)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import time
@@ -43,7 +42,6 @@ def test_sigkill_of_a_random_worker_at_a_random_moment(tmp_path, rng):
     resumed = second["resumed_from_step"]
     loaded = rank_log(run_dir, 2, 0)
     assert (f"resumed from step {resumed} " if resumed is not None else "no checkpoint to resume from") in loaded
-    assert re.search(r"startup: .*; [1-9]\d*k objects frozen out of the collector's walks", loaded), loaded[-2000:]
     floor = before.step if before else None
     assert resumed == floor or (resumed is not None and resumed == (floor or 0) + 20), (resumed, floor)
     assert (f"resuming from step {resumed}" if resumed is not None else "starting fresh") in console

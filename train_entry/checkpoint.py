@@ -248,9 +248,9 @@ class Checkpointer:
 @contextlib.contextmanager
 def _collection_paused() -> Iterator[None]:
     """No automatic garbage collection inside: a load or a save allocates enough objects to set off a full
-    collection, which in a process whose objects nobody froze (train_entry.session does at the start of
-    training; the prewarm server for its imports) walks ~250k of them: 0.14-0.2 s measured, on one rank at a
-    time, while the others wait in DCP's next collective."""
+    collection, which in a process whose objects nobody froze (the prewarm server freezes its imports, so a
+    relaunched rank's walk is short) walks ~250k of them: 0.14-0.2 s measured, on one rank at a time, while
+    the others wait in DCP's next collective."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -18,7 +18,6 @@ The reference entry point (`python -m train_entry`) is written with exactly thes
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import os
@@ -65,17 +64,6 @@ def _process_started() -> float:
         return psutil.Process().create_time()
     except Exception:  # psutil is a dependency, but startup logging must never fail a run
         return time.time()
-
-
-def _freeze_what_exists() -> int:
-    """Training begins: move what exists now (torch's modules, the model, the optimizer: ~250k objects) out of
-    the garbage collector's full walks, as the prewarm server does for its imports, after collecting the young
-    generations' garbage. Without it a full collection took 0.16-0.19 s on the checkpoint benchmark's ranks,
-    landed inside 2 of 6 sync saves on one rank while the other waited at DCP's next collective, and would stall
-    any step; with it, 3-11 ms. Returns how many objects are frozen."""
-    gc.collect(1)
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 def _setup_logging(rank: int) -> None:
@@ -309,10 +297,8 @@ class Session:
         self.last_saved_step = step
         self.resumed_from = step
         self.startup["choose_and_load_s"] = time.monotonic() - t_resume
-        frozen = _freeze_what_exists()
         if self.ctx.is_main:
-            log.info("startup: %s; %dk objects frozen out of the collector's walks",
-                     ", ".join(f"{k} {v:.2f}" for k, v in self.startup.items()), frozen // 1000)
+            log.info("startup: %s", ", ".join(f"{k} {v:.2f}" for k, v in self.startup.items()))
         self._warmup_until = (step or 0) + SYNC_WARMUP_STEPS
         self._state = state  # its layout sizes the staging arena once training runs (beat)
         self.beater.update(step=step or 0, resumed_from=step)
