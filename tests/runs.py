@@ -48,20 +48,14 @@ def state(run_dir: Path) -> dict:
         return {}
 
 
-def live_ranks(run_dir: Path, min_step: int = 0, nproc: int = 2) -> list[dict]:
-    """The `nproc` ranks of a running attempt once all train at `min_step` or later; else []."""
+def live_ranks(run_dir: Path, min_step: int = 0, nproc: int = 2, phase: str | None = "train") -> list[dict]:
+    """The `nproc` ranks of a running attempt once all are alive in `phase` (None: any phase, as a rank blocked
+    in a save shows `save`) at `min_step` or later; else []."""
     s = state(run_dir)
-    ranks = [r for r in s.get("ranks", []) if r.get("alive") and r.get("phase") == "train"]
+    ranks = [r for r in s.get("ranks", []) if r.get("alive") and (phase is None or r.get("phase") == phase)]
     if s.get("state") == "running" and len(ranks) == nproc and min(r["step"] for r in ranks) >= min_step:
         return ranks
     return []
-
-
-def alive_ranks(run_dir: Path, nproc: int = 2) -> list[dict]:
-    """The `nproc` ranks of the running attempt once all are alive, whatever their phase (a rank blocked in a
-    save shows phase `save`); else []."""
-    ranks = [r for r in state(run_dir).get("ranks", []) if r.get("alive")]
-    return ranks if len(ranks) == nproc else []
 
 
 def rank_log(run_dir: Path, attempt: int, rank: int, stream: str = "stderr") -> str:

@@ -17,7 +17,7 @@ from supervisor import store
 from supervisor.protocol import CommitRecord, SaveRecord, read_step_log
 from tests.ckpt_helpers import assert_same_training_state
 from tests.proc import REPO, Proc, child_env, started, wait_for
-from tests.runs import JOB, RUN_TIMEOUT, alive_ranks, live_ranks, rank_log, resilient, run_job, state, status
+from tests.runs import JOB, RUN_TIMEOUT, live_ranks, rank_log, resilient, run_job, state, status
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous(tmp_path):
     partial = run_dir / "checkpoints" / store.partial_dirname(40)
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         # The paused save holds the ranks in phase `save` from step 60 on: alive in any phase will do.
-        ranks = wait_for(lambda: (partial / "__1_0.distcp").exists() and alive_ranks(run_dir), 90,
+        ranks = wait_for(lambda: (partial / "__1_0.distcp").exists() and live_ranks(run_dir, phase=None), 90,
                          "the save of step 40")
         os.kill(ranks[0]["pid"], signal.SIGKILL)
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]

@@ -82,7 +82,7 @@ def test_the_local_tier_is_replicated_through_a_supervisor_kill_and_a_bad_local_
     assert not list(durable.glob("*.partial"))
 
     # 3. The newest local copy is corrupt: set aside, the ranks take the durable copy; a rank killed later
-    #    resumes from the local tier. The ranks' steps reach state.json through 1 s heartbeats and a 0.5 s poll,
+    #    resumes from the local tier. The ranks' steps reach state.json through 1 s heartbeats and 1 s state writes,
     #    so the run goes on well past step 105 (to 160, slower steps): a window of a few hundred ms (to 120, CI
     #    missed it) could pass unseen. The kill may then land after a later local commit (120, 140): the resume is
     #    from whichever is newest.
