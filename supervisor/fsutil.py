@@ -1,12 +1,17 @@
-"""Small durable-file helpers: files other processes read are written temp-then-rename."""
+"""Small durable-file helpers: files other processes read are written temp-then-rename; checkpoint files are
+written front to back, hashed as they go, around the page cache where they can be (`HashedFile`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+PAGE = 4096  # O_DIRECT's alignment for buffers, offsets and lengths (a multiple of every logical block size)
+CHUNK = 64 << 20  # bytes per write and per hash update: few GIL acquisitions, bounded memory per call
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -74,3 +79,92 @@ def write_problem(folder: str | os.PathLike) -> str | None:
     except OSError:
         read_only = False
     return "read-only file system" if read_only else "permission denied"
+
+
+class Hasher(Protocol):
+    def update(self, data: memoryview, /) -> None: ...
+    def hexdigest(self) -> str: ...
+
+
+class HashedFile:
+    """One file written front to back: hashed and written in chunks (both release the GIL), fsynced on close.
+
+    With `direct`, the file is also opened O_DIRECT where the filesystem allows it, and every write whose buffer,
+    offset and length are page-aligned goes to the disk without passing through the page cache: no kernel copy
+    on the writer's CPU (measured here: 512 MB buffered, 1.5 s of CPU on a cold page cache; O_DIRECT, 0.02 s at
+    1.8-2.2 GB/s). Anything unaligned is written through the cache. Used by the ranks' checkpoint writer
+    (train_entry/storage.py) and by the supervisor's replication into the durable tier.
+    """
+
+    def __init__(self, path: str | os.PathLike, hasher: Hasher, *, direct: bool = False, reuse: bool = False):
+        self.path = Path(path)
+        self.reuse = reuse and _plain_own_file(self.path)
+        if reuse and not self.reuse:  # a link, or not a plain file: never written through; replaced
+            os.unlink(self.path)
+        # `reuse`: the file's pages are written over, not freed and taken again (close() cuts off any tail)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (0 if self.reuse else os.O_TRUNC), 0o644)
+        self.direct_fd: int | None = None
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.direct_fd = os.open(self.path, os.O_WRONLY | os.O_DIRECT)
+            except OSError:  # some filesystems refuse O_DIRECT
+                self.direct_fd = None
+        self.hash = hasher
+        self.size = 0
+        self.direct_bytes = 0
+
+    def write(self, data: memoryview, *, aligned: bool = False) -> None:
+        """Append `data`; `aligned`: its buffer starts on a page boundary (O_DIRECT may take it)."""
+        fd = self.direct_fd if aligned and self.direct_fd is not None and self.size % PAGE == 0 else self.fd
+        for start in range(0, len(data), CHUNK):
+            chunk = data[start:start + CHUNK]
+            self.hash.update(chunk)
+            offset = self.size + start
+            if fd == self.direct_fd and len(chunk) % PAGE == 0:
+                try:
+                    pwrite_all(fd, chunk, offset)
+                    self.direct_bytes += len(chunk)
+                    continue
+                except OSError:  # the filesystem refused this one after all: through the cache from here
+                    fd = self.fd
+            pwrite_all(self.fd, chunk, offset)
+        self.size += len(data)
+
+    def close(self) -> str:
+        """fsync (the metadata, and anything written through the cache), close; returns the hex digest."""
+        try:
+            if self.reuse:
+                os.ftruncate(self.fd, self.size)
+            os.fsync(self.fd)
+        finally:
+            self.abort()
+        return self.hash.hexdigest()
+
+    def abort(self) -> None:
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.fd, self.direct_fd = -1, None
+
+
+def _plain_own_file(path: Path) -> bool:
+    """`path` is a plain file (not a link to one) that no other name shares: writing over it touches nothing else."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def page_aligned_buffer(nbytes: int) -> memoryview:
+    """A writable buffer of `nbytes` rounded up to whole pages, starting on a page boundary (an anonymous mapping),
+    as O_DIRECT needs."""
+    import mmap
+
+    return memoryview(mmap.mmap(-1, max(PAGE, -(-nbytes // PAGE) * PAGE)))

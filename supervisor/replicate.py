@@ -35,13 +35,12 @@ from typing import Any
 import psutil
 
 from supervisor import retention, store
-from supervisor.fsutil import atomic_write_bytes, fsync_dir
+from supervisor.fsutil import CHUNK, HashedFile, atomic_write_bytes, fsync_dir, page_aligned_buffer
 
 log = logging.getLogger("resilient")
 
 PARTS = ".parts"
 COMMIT_LOCK = ".commit.lock"
-CHUNK = 64 << 20
 RETRY_S = (2.0, 5.0, 15.0, 30.0, 60.0)
 PAUSE_ENV = "RESILIENT_TEST_REPLICATE_PAUSE_S"  # test hook: sleep after the first file of each step
 
@@ -149,8 +148,10 @@ class Replicator:
             self._thread.join(timeout=5)
         if not self._thread.is_alive():  # the last copies' retention and the final numbers for the state file
             with contextlib.suppress(Exception):
-                self._local_retention()
+                self._local_retention(spares=False)
                 self._refresh()
+            with contextlib.suppress(OSError):  # no save will write over them now: their memory goes back
+                store.drop_spares(self.local_root)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -253,21 +254,18 @@ class Replicator:
         if dest.exists() and dest.stat().st_size == rec.size and store.checksum_file(dest, algorithm) == rec.checksum:
             return 0
         tmp = dest.with_name(f".{dest.name}.{self.node}.tmp")
-        h = store.hasher(algorithm)
-        buf = bytearray(min(CHUNK, max(rec.size, 1)))
-        view = memoryview(buf)
+        buf = page_aligned_buffer(min(CHUNK, max(rec.size, 1)))
+        out = HashedFile(tmp, store.hasher(algorithm), direct=True)  # the durable write, around the page cache
         try:
-            with open(src, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
-                while n := fin.readinto(buf):
-                    h.update(view[:n])
-                    chunk = view[:n]
-                    while chunk:
-                        chunk = chunk[fout.write(chunk):]
-                os.fsync(fout.fileno())
+            with open(src, "rb", buffering=0) as fin:
+                while n := fin.readinto(buf):  # the one copy on this node's CPU: out of the local tier
+                    out.write(buf[:n], aligned=True)
+            digest = out.close()
         except BaseException:
+            out.abort()
             tmp.unlink(missing_ok=True)  # a full disk gets its room back
             raise
-        if h.hexdigest() != rec.checksum:
+        if digest != rec.checksum:
             tmp.unlink(missing_ok=True)
             raise ValueError(f"{src} does not match its manifest's checksum: the local copy is damaged")
         os.replace(tmp, dest)
@@ -322,9 +320,10 @@ class Replicator:
         newest = max(self._durable_valid(), default=-1)
         return [i.step for i in store.scan(self.local_root) if i.valid and i.step > newest]
 
-    def _local_retention(self) -> None:
+    def _local_retention(self, *, spares: bool = True) -> None:
         """Keep `keep_local` newest local checkpoints; older ones go only once the durable tier has them (or it
-        has been failing longer than the outage limit)."""
+        has been failing longer than the outage limit). With `spares`, a deleted checkpoint's data files are
+        kept for the next save to write over, up to what this node's newest checkpoint holds in data files."""
         if not self.local_root.is_dir():
             return
         outage = self.state.failing_since is not None and time.time() - self.state.failing_since > self.outage_s
@@ -338,7 +337,9 @@ class Replicator:
                               f"failing for {time.time() - (self.state.failing_since or 0):.0f}s", "red")
             plan = retention.Plan(plan.kept, plan.remove + held, plan.spared)
         if plan.remove:
-            retention.apply(plan)
+            newest = plan.kept[-1].manifest if plan.kept else None
+            data = sum(f.size for f in newest.files if f.name.endswith(store.DATA_SUFFIX)) if newest else 0
+            retention.apply(plan, spare_bytes=data if spares else 0)
 
     def _refresh(self) -> None:
         local = [i for i in store.scan(self.local_root) if i.valid] if self.local_root.is_dir() else []

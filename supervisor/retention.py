@@ -8,6 +8,7 @@ partial is older than the newest valid checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -92,6 +93,10 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
         for trash in store.trash_dirs(root):
             remove.append(Removal(trash, None, _folder_size(trash),
                                   "leftover of a superseded or partly deleted checkpoint"))
+        spares = store.spare_sizes(root)
+        if spares and not owner_alive:  # while a run goes on, its next save writes over them
+            remove.append(Removal(root / store.SPARE_DIR, None, sum(spares.values()),
+                                  "data files of deleted checkpoints that a run kept for its next saves"))
     return Plan(kept, remove, spared)
 
 
@@ -107,9 +112,10 @@ class Applied:
         return sum(r.size_bytes for r in self.removed)
 
 
-def _remove(r: Removal) -> str | None:
+def _remove(r: Removal, spare_bytes: int = 0) -> str | None:
     """Delete one folder; None when it is gone, else why not. A checkpoint is first renamed aside in one
-    atomic step, so a deletion that fails half-way never leaves a half-deleted `step_<N>` folder behind."""
+    atomic step, so a deletion that fails half-way never leaves a half-deleted `step_<N>` folder behind. With
+    `spare_bytes`, its data files go to the root's spare pool first (store.keep_spare), up to that many bytes."""
     path = r.path
     if not path.name.startswith(store.TRASH_PREFIX):
         aside = path.parent / f"{store.TRASH_PREFIX}{path.name}.{time.time_ns()}"
@@ -120,6 +126,9 @@ def _remove(r: Removal) -> str | None:
         except OSError as e:
             return e.strerror or str(e)  # nothing was touched
         path = aside
+    if spare_bytes:
+        with contextlib.suppress(OSError):
+            store.keep_spare(path, path.parent, spare_bytes)
     errors: list[str] = []
 
     def record(_func: object, failed: str, exc: object) -> None:
@@ -134,12 +143,14 @@ def _remove(r: Removal) -> str | None:
     return f"{where}{len(errors) or 1} entr{'y' if len(errors) <= 1 else 'ies'} could not be deleted ({first})"
 
 
-def apply(p: Plan) -> Applied:
-    """Delete what the plan says (invalid folders first, oldest valid last) and report what really happened."""
+def apply(p: Plan, *, spare_bytes: int = 0) -> Applied:
+    """Delete what the plan says (invalid folders first, oldest valid last) and report what really happened.
+    `spare_bytes`: keep up to that many bytes of the deleted folders' data files for the next saves to write
+    over (a local tier, while its run goes on: store.keep_spare)."""
     removed: list[Removal] = []
     failed: list[tuple[Removal, str]] = []
     for r in sorted(p.remove, key=lambda r: r.why.startswith("older than")):
-        why = _remove(r)
+        why = _remove(r, spare_bytes)
         if why is None:
             removed.append(r)
         else:

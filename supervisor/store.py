@@ -53,6 +53,8 @@ MARKER = "COMPLETE.json"
 WRITER_LOCK = ".writer.lock"
 PARTIAL_SUFFIX = ".partial"
 TRASH_PREFIX = ".trash."
+SPARE_DIR = ".spare"  # in a local tier: data files of deleted checkpoints, for the next saves to write over
+DATA_SUFFIX = "_0.distcp"  # a rank's data file (its tensors), the one file of a save worth writing over
 STEP_RE = re.compile(r"^step_(\d{9})$")
 PARTIAL_RE = re.compile(r"^step_(\d{9})\.partial$")
 QUARANTINE_SUFFIX = ".quarantined"
@@ -572,6 +574,70 @@ def checkpoint_dirs(root: str | os.PathLike, *, quarantined: bool = False) -> li
 def trash_dirs(root: str | os.PathLike) -> list[Path]:
     """Folders `commit` moved aside and did not get to delete."""
     return [Path(e.path) for e in os.scandir(root) if e.name.startswith(TRASH_PREFIX) and e.is_dir()]
+
+
+def keep_spare(folder: Path, root: Path, limit_bytes: int) -> int:
+    """Move the data files of `folder` (a checkpoint already renamed aside for deletion) into `root`'s spare pool,
+    while the pool holds less than `limit_bytes`; returns the bytes kept. Only plain files with one link move.
+
+    A local tier on tmpfs pays for every page a new file takes (allocated and zeroed on the ranks' cores, and on a
+    VM backed by its host on first touch: a 512 MB write beside training took 1.66 s into fresh pages, 0.33-0.48 s
+    into pages written before). A save that writes over a spare file (`claim_spare`) reuses them, and the tier
+    holds no more than without the pool: the spare stands in for the save it is about to become.
+    """
+    pool = root / SPARE_DIR
+    held = sum(spare_sizes(root).values())
+    kept = 0
+    for e in sorted(os.scandir(folder), key=lambda e: e.name):
+        if not e.name.endswith(DATA_SUFFIX) or not e.is_file(follow_symlinks=False):
+            continue
+        st = e.stat(follow_symlinks=False)
+        if st.st_nlink != 1 or held + st.st_size > limit_bytes:
+            continue
+        pool.mkdir(exist_ok=True)
+        try:
+            os.rename(e.path, pool / f"{e.name}.{time.time_ns()}")
+        except OSError:
+            continue
+        held += st.st_size
+        kept += st.st_size
+    return kept
+
+
+def spare_sizes(root: Path) -> dict[Path, int]:
+    """The spare pool's files and their sizes (empty when there is none)."""
+    pool = root / SPARE_DIR
+    if not pool.is_dir():
+        return {}
+    return {Path(e.path): e.stat(follow_symlinks=False).st_size for e in os.scandir(pool)
+            if e.is_file(follow_symlinks=False)}
+
+
+def claim_spare(root: Path, dest: Path) -> bool:
+    """Rename one file of `root`'s spare pool to `dest` (preferring one that had `dest`'s name); True when one
+    was taken. Ranks claim concurrently: a rename either takes a file whole or finds it gone."""
+    pool = root / SPARE_DIR
+    try:
+        names = sorted((e.name for e in os.scandir(pool) if e.is_file(follow_symlinks=False)),
+                       key=lambda n: (not n.startswith(dest.name + "."), n))
+    except OSError:
+        return False
+    for name in names:
+        try:
+            os.rename(pool / name, dest)
+        except OSError:
+            continue
+        return True
+    return False
+
+
+def drop_spares(root: Path) -> int:
+    """Delete `root`'s spare pool (a run is over, or `gc`); returns the bytes freed."""
+    pool = root / SPARE_DIR
+    freed = sum(spare_sizes(root).values())
+    if pool.is_dir():
+        shutil.rmtree(pool, ignore_errors=True)
+    return freed
 
 
 def scan(root: str | os.PathLike, *, deep: bool = False, progress: Progress | None = None,

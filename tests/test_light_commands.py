@@ -8,8 +8,9 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from supervisor import state
+from supervisor import state, store
 from supervisor.lock import RunLock
 from tests.ckpt_helpers import flip_byte, truncate, write_checkpoint
 
@@ -255,3 +256,21 @@ def test_inspect_and_gc_show_and_act_on_both_tiers(tmp_path, cli):
     assert sorted(x["step"] for x in local["b"]["removed"]) == [20, 60]  # 60 is corrupt: 40 is b's newest valid
     assert sorted(p.name for p in local_a.iterdir()) == ["step_000000050", "step_000000060"]
     assert sorted(p.name for p in nvme_b.iterdir()) == ["step_000000040"]
+
+
+def test_gc_deletes_a_finished_runs_spare_files_and_leaves_a_live_runs(tmp_path, cli):
+    """The data files a run kept to write its next saves over (store.keep_spare) are the run's while it lives;
+    after it, they are only memory taken (a local tier on tmpfs): gc frees them and says what they were."""
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    write_checkpoint(root, 1)
+    (root / store.SPARE_DIR).mkdir()
+    (root / store.SPARE_DIR / "__0_0.distcp.1").write_bytes(bytes(8192))
+    (run_dir / "job.json").write_text(json.dumps({"job": {"checkpoint": {"dir": str(root)}}}))
+    with RunLock(run_dir):
+        doc = json.loads(cli("gc", root, "--keep", "1", "--json").stdout)
+        assert doc["removed"] == [] and (root / store.SPARE_DIR).is_dir()
+    doc = json.loads(cli("gc", root, "--keep", "1", "--json").stdout)
+    assert [(Path(x["path"]).name, x["size_bytes"]) for x in doc["removed"]] == [(store.SPARE_DIR, 8192)]
+    assert "deleted checkpoints" in doc["removed"][0]["why"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_000000001"]

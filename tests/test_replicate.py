@@ -116,3 +116,30 @@ def test_local_retention_keeps_the_newest_and_drops_older_ones_the_durable_tier_
     assert [i.step for i in store.scan(tmp_path / "durable") if i.valid] == [10, 20]
     truncate(tmp_path / "local-a" / store.step_dirname(30) / "__0_0.distcp")
     assert r._unreplicated() == []  # a damaged local copy is not queued
+
+
+def test_retention_keeps_deleted_data_files_for_the_next_save_and_stop_frees_them(tmp_path):
+    """A local checkpoint retention deletes leaves its data files in the spare pool (up to what the newest
+    checkpoint holds in data files), never the small files; a save claims one whole; stop() frees the rest."""
+    one_node = {"a": [0, 1]}
+    for step in (10, 20, 30):
+        local_checkpoint(tmp_path / "local-a", step, "a", one_node)
+    r = replicator(tmp_path, "a", keep_local=1)
+    for step in (10, 20, 30):
+        r._replicate(step)
+    r._local_retention()
+    local = tmp_path / "local-a"
+    assert [i.step for i in store.scan(local)] == [30]
+    newest = store.inspect(local / store.step_dirname(30)).manifest
+    data = sum(f.size for f in newest.files if f.name.endswith(store.DATA_SUFFIX))
+    spares = store.spare_sizes(local)
+    assert all(store.DATA_SUFFIX + "." in p.name for p in spares)  # data files only, never the small ones
+    assert len(spares) == 2 and sum(spares.values()) <= data  # step 10's two shards; 20's would pass the limit
+
+    dest = tmp_path / "__1_0.distcp"
+    assert store.claim_spare(local, dest) and dest.stat().st_size == spares[min(
+        spares, key=lambda p: (not p.name.startswith("__1_0.distcp."), p.name))]
+    assert len(store.spare_sizes(local)) == 1
+    r.stop()  # never started: stop() still applies retention, and drops the pool
+    assert store.spare_sizes(local) == {} and not (local / store.SPARE_DIR).exists()
+    assert [i.step for i in store.scan(local)] == [30] and store.inspect(local / store.step_dirname(30)).valid

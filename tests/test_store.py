@@ -173,3 +173,37 @@ def test_two_runs_cannot_claim_one_checkpoint_root_but_one_runs_nodes_can(tmp_pa
     first.release()
     node_b.release()
     RootClaim(root, tmp_path / "run-b").acquire().release()  # once the first run is gone, the root is free
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_file_written_over_a_spare_holds_exactly_the_new_bytes_and_never_writes_through_a_link(tmp_path, direct):
+    """HashedFile(reuse=True) writes over a longer old file (its pages reused) and cuts the tail; a spare that is
+    a symlink or shares its inode with another name is replaced, so the file it points at is never touched."""
+    from supervisor.fsutil import HashedFile, page_aligned_buffer
+
+    new = page_aligned_buffer(3 * 4096 + 100)  # whole pages (O_DIRECT may take them), then a short tail
+    new[:] = os.urandom(len(new))
+    target = tmp_path / "__0_0.distcp"
+    target.write_bytes(b"\xff" * (5 * 4096))
+    outside, linked = tmp_path / "outside.bin", tmp_path / "linked.bin"
+    for victim in (outside, linked):
+        victim.write_bytes(b"keep me")
+
+    def write(path, reuse=True):
+        f = HashedFile(path, store.hasher(), direct=direct, reuse=reuse)
+        f.write(new[:3 * 4096], aligned=True)
+        f.write(new[3 * 4096:3 * 4096 + 100])
+        return f.reuse, f.close()
+
+    expected = store.hasher()
+    expected.update(bytes(new[:3 * 4096 + 100]))
+    assert write(target) == (True, expected.hexdigest())
+    assert target.read_bytes() == bytes(new[:3 * 4096 + 100])
+
+    target.unlink()
+    target.symlink_to(outside)
+    assert write(target)[0] is False and not target.is_symlink()
+    os.unlink(target)
+    os.link(linked, target)
+    assert write(target)[0] is False and target.read_bytes() == bytes(new[:3 * 4096 + 100])
+    assert outside.read_bytes() == linked.read_bytes() == b"keep me"

@@ -18,7 +18,7 @@ import pytest
 from supervisor import store
 from tests.ckpt_helpers import flip_byte
 from tests.proc import Proc, child_env, free_port, started, wait_for
-from tests.runs import RUN_TIMEOUT, live_ranks, resilient, run_job, state, status
+from tests.runs import RUN_TIMEOUT, live_ranks, rank_log, resilient, run_job, state, status
 
 pytestmark = pytest.mark.slow
 
@@ -109,6 +109,10 @@ def test_the_local_tier_is_replicated_through_a_supervisor_kill_and_a_bad_local_
     text = subprocess.run(resilient("status", run_dir), capture_output=True, text=True, env=child_env(), timeout=60)
     assert f"resumed   step {resumed} from the local tier (every node holds step {resumed} whole)" in text.stdout
     assert "local step 160 · durable step 160 · up to date" in text.stdout
+    # Retention kept deleted checkpoints' data files for later saves to write over, and the run's end freed them.
+    logs = "".join(rank_log(run_dir, h["attempt"], 0) for h in history[-2:])
+    assert "its data written over a deleted checkpoint's file" in logs
+    assert not (local / store.SPARE_DIR).exists()
 
 
 def fill(disk: Path) -> Path:

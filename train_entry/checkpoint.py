@@ -187,7 +187,8 @@ class Checkpointer:
             dist.barrier(group=group)  # the folders exist before anyone writes into them
             pause = self.pause
             writer = RawWriter(path, arena=arena,
-                               after_data=(lambda: pause.maybe("mid_data", step, path)) if pause else None)
+                               after_data=(lambda: pause.maybe("mid_data", step, path)) if pause else None,
+                               spares=self.root if self.local else None)
             dcp.save(sd, storage_writer=writer, process_group=group, planner=self._planner)
             # The files this rank wrote, checksummed as they were written (what dcp.save returns differs by
             # release, and is not needed). With a local tier every node's folder needs every rank's small file
@@ -204,9 +205,10 @@ class Checkpointer:
                 final = partial.commit(ctx.world_size, records, extra=extra)
                 total = time.monotonic() - t0
                 size = sum(r.size for r in records)
-                log.info("checkpoint step %d committed%s: %s, %.1f MB, blocked %.3fs, total %.2fs",
+                log.info("checkpoint step %d committed%s: %s, %.1f MB, blocked %.3fs, total %.2fs%s",
                          step, " to the local tier" if self.local else "", final.name, size / 1e6,
-                         blocking_s if blocking_s is not None else total, total)
+                         blocking_s if blocking_s is not None else total, total,
+                         ", its data written over a deleted checkpoint's file" if writer.reused else "")
                 if self.on_committed is not None:
                     self.on_committed(CommitRecord(step, time.time(), total, size))
             dist.barrier(group=group)  # on every rank, a finished save (or wait()) means committed
