@@ -245,12 +245,15 @@ class Attempt:
 
     def _follow_resume(self, heartbeats: dict[int, Heartbeat]) -> None:
         """The ranks agree on the resume step among all nodes; record the one they actually loaded."""
-        # Only ranks that got as far as training have loaded anything (one that died first says None).
-        loaded = {hb.resumed_from for hb in heartbeats.values() if hb.phase in ("train", "save")}
+        # Only ranks that got as far as training have loaded anything (one that died first says None), and only
+        # their words count: a peer's beat on disk may predate its load (the kill campaign caught rank 1 training
+        # while rank 0's last beat still had no tier, and the attempt was recorded without one).
+        trained = [hb for hb in heartbeats.values() if hb.phase in ("train", "save")]
+        loaded = {hb.resumed_from for hb in trained}
         if len(loaded) != 1 or self._resume_noted:
             return
         step = loaded.pop()
-        said = min(heartbeats.values(), key=lambda hb: hb.rank)
+        said = min(trained, key=lambda hb: hb.rank)
         tier = said.resumed_tier if step is not None else None
         if self.rec.regroups:
             self.rec.regroups[-1]["resumed_from"] = step

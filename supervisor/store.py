@@ -486,7 +486,8 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
     if partial:
         pid = writer_alive(path)
         if pid is not None:
-            return result(Status.INCOMPLETE, f"save in progress (writer pid {pid} is alive)")
+            return result(Status.INCOMPLETE, f"save in progress (writer pid {pid} is alive)" if pid > 0 else
+                          "save or copy in progress (its writer holds the lock)")  # e.g. a replicator's copy
         return result(Status.INCOMPLETE, "partial save, never committed (its writer is gone)")
     if MARKER not in entries:
         return result(Status.INCOMPLETE, "no completion marker: the save never finished")

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import pytest
 
-from supervisor import api, classify
+from supervisor import api, classify, state
 from supervisor.config import RestartConfig
 from supervisor.launch import torchrun_argv
 from supervisor.policy import LoadFailure, RestartPolicy
@@ -451,3 +451,26 @@ def test_run_restores_the_callers_signal_handlers(tmp_path, cli, monkeypatch):
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     assert cli("run", job).exit_code == 0
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_the_resume_tier_is_taken_from_a_rank_that_has_loaded(tmp_path):
+    """Rank 1 trains after loading step 212 from the local tier while rank 0's beat on disk still predates its
+    load (no tier in it): the attempt records rank 1's words, not a tierless 'agreed across nodes' (the kill
+    campaign caught it so, 1 relaunch in ~50)."""
+    from types import SimpleNamespace
+
+    from supervisor.api import AttemptSpec
+    from supervisor.attempt import Attempt
+    from supervisor.protocol import Handover, Heartbeat
+
+    events: list[str] = []
+    console = SimpleNamespace(event=lambda text, style=None: events.append(text))
+    rec = state.AttemptRecord(attempt=2, started_at=0.0, resumed_from_step=208)
+    spec = AttemptSpec(2, 208, None, tmp_path / "l", tmp_path / "h", tmp_path / "s", tmp_path / "c")
+    attempt = Attempt(None, spec, Handover(ckpt_local_dir=str(tmp_path / "local")), None, console, rec, None, None)
+    why = "every node holds step 212 whole"
+    attempt._follow_resume({0: Heartbeat(rank=0, pid=10, phase="load", loading_step=212),
+                            1: Heartbeat(rank=1, pid=11, phase="train", resumed_from=212, resumed_tier="local",
+                                         resumed_why=why)})
+    assert (rec.resumed_from_step, rec.resumed_tier, rec.resumed_why) == (212, "local", why)
+    assert events == [f"attempt 2: the ranks resumed from step 212 from the local tier ({why})"]
