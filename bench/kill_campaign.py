@@ -97,55 +97,65 @@ def campaign(mode: str, kills: int, rng: random.Random, tmp: Path) -> dict:
     sup = subprocess.Popen(argv, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     save_s = 0.3
     try:
-        for _ in range(kills):
-            attempt = wait_for(lambda: (s := state(run_dir)).get("state") == "running" and len(
-                [r for r in s.get("ranks", []) if r.get("alive")]) == 2 and s.get("attempt"), 120, "training")
-            ranks = [r for r in state(run_dir).get("ranks", []) if r.get("alive")]
-            before = {p.name for p in root.iterdir()} if root.is_dir() else set()
-            partial = wait_for(lambda b=before: next((p for p in root.iterdir() if p.name.endswith(".partial")
-                                                      and p.name not in b), None) if root.is_dir() else None,
-                               120, "a save to begin")
-            t_begin = time.monotonic()
-            time.sleep(rng.uniform(0, save_s))
-            victim = rng.choice(ranks)
-            inside = partial.exists()
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(victim["pid"], signal.SIGKILL)
-            out["kills"] += 1
-            out["inside_a_save"] += inside
-            if not inside:  # the save committed before the kill landed: how long saves take, roughly
-                save_s = max(0.05, 0.8 * save_s + 0.2 * (time.monotonic() - t_begin))
-            commits_before = committed(run_dir)
-            # The next attempt: wait until it trains, then judge what it resumed from.
-            # With a local tier the launch records the durable choice; the ranks' own (either tier) replaces it
-            # once they report, with the tier they read: wait for that.
-            wait_for(lambda a=attempt: (s := state(run_dir)).get("attempt", 0) > a and s.get("state") == "running"
-                     and len(s["history"]) > a and (mode != "local" or resumed_said(s)), 120, "the relaunch")
-            launched = state(run_dir)["history"][-1]
-            infos = {i.step: i for i in store.scan(root)}
-            deep = {step: store.inspect(i.path, deep=True) for step, i in infos.items() if i.valid}
-            bad = [s for s, d in deep.items() if not d.valid]
-            if root != durable:  # the durable copies: each was verified as it was copied, and must read whole
-                bad += [i.step for i in store.scan(durable) if i.valid and not store.inspect(i.path, deep=True).valid]
-            out["accepted_not_whole"] += len(bad)
-            out["problems"] += [f"step {s} passes the size check but not a full read" for s in bad]
-            newest = max(commits_before, default=None)  # retention keeps it until KEEP newer ones exist
-            if newest is not None and not (newest in infos and infos[newest].valid) and \
-                    sum(1 for st, i in infos.items() if i.valid and st > newest) < KEEP:
-                out["committed_lost"] += 1
-                out["problems"].append(f"committed step {newest} is gone or invalid")
-            resumed = launched["resumed_from_step"]
-            started = launched["started_at"]
-            whole_then = [st for st, d in deep.items() if d.valid and d.created_at and d.created_at < started]
-            expected = max(whole_then, default=None)
-            if resumed != expected and (resumed is None or resumed in infos):  # else retention took it since
-                out["wrong_resume"] += 1
-                out["problems"].append(f"attempt {launched['attempt']} resumed from {resumed}, newest whole was "
-                                       f"{expected}")
-            out["relaunches_checked"] += 1
-            if out["kills"] % 20 == 0:
-                print(f"{mode}: {out['kills']} kills, {out['inside_a_save']} inside a save, problems "
-                      f"{len(out['problems'])}", flush=True)
+        try:
+            for _ in range(kills):
+                attempt = wait_for(lambda: (s := state(run_dir)).get("state") == "running" and len(
+                    [r for r in s.get("ranks", []) if r.get("alive")]) == 2 and s.get("attempt"), 120, "training")
+                ranks = [r for r in state(run_dir).get("ranks", []) if r.get("alive")]
+                before = {p.name for p in root.iterdir()} if root.is_dir() else set()
+                partial = wait_for(lambda b=before: next((p for p in root.iterdir() if p.name.endswith(".partial")
+                                                          and p.name not in b), None) if root.is_dir() else None,
+                                   120, "a save to begin")
+                t_begin = time.monotonic()
+                time.sleep(rng.uniform(0, save_s))
+                victim = rng.choice(ranks)
+                inside = partial.exists()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim["pid"], signal.SIGKILL)
+                out["kills"] += 1
+                out["inside_a_save"] += inside
+                if not inside:  # the save committed before the kill landed: how long saves take, roughly
+                    save_s = max(0.05, 0.8 * save_s + 0.2 * (time.monotonic() - t_begin))
+                commits_before = committed(run_dir)
+                # The next attempt: wait until it trains, then judge what it resumed from.
+                # With a local tier the launch records the durable choice; the ranks' own (either tier) replaces it
+                # once they report, with the tier they read: wait for that.
+                wait_for(lambda a=attempt: (s := state(run_dir)).get("attempt", 0) > a and s.get("state") == "running"
+                         and len(s["history"]) > a and (mode != "local" or resumed_said(s)), 120, "the relaunch")
+                launched = state(run_dir)["history"][-1]
+                infos = {i.step: i for i in store.scan(root)}
+                deep = {step: store.inspect(i.path, deep=True) for step, i in infos.items() if i.valid}
+                bad = [s for s, d in deep.items() if not d.valid]
+                if root != durable:  # the durable copies: each was verified as it was copied, and must read whole
+                    bad += [i.step for i in store.scan(durable)
+                            if i.valid and not store.inspect(i.path, deep=True).valid]
+                out["accepted_not_whole"] += len(bad)
+                out["problems"] += [f"step {s} passes the size check but not a full read" for s in bad]
+                newest = max(commits_before, default=None)  # retention keeps it until KEEP newer ones exist
+                if newest is not None and not (newest in infos and infos[newest].valid) and \
+                        sum(1 for st, i in infos.items() if i.valid and st > newest) < KEEP:
+                    out["committed_lost"] += 1
+                    out["problems"].append(f"committed step {newest} is gone or invalid")
+                resumed = launched["resumed_from_step"]
+                started = launched["started_at"]
+                whole_then = [st for st, d in deep.items() if d.valid and d.created_at and d.created_at < started]
+                expected = max(whole_then, default=None)
+                if resumed != expected and (resumed is None or resumed in infos):  # else retention took it since
+                    out["wrong_resume"] += 1
+                    out["problems"].append(f"attempt {launched['attempt']} resumed from {resumed}, newest whole was "
+                                           f"{expected}")
+                out["relaunches_checked"] += 1
+                if out["kills"] % 20 == 0:
+                    print(f"{mode}: {out['kills']} kills, {out['inside_a_save']} inside a save, problems "
+                          f"{len(out['problems'])}", flush=True)
+        except TimeoutError as e:  # a campaign that stalls is a finding: say where, with the supervisor's last words
+            log.flush()
+            tail = (tmp / f"supervisor-{mode}.log").read_text(errors="replace")[-5000:]
+            out["problems"].append(f"after {out['kills']} kills: {e}")
+            print(f"{mode}: {e} after {out['kills']} kills; the supervisor's log ends:\n{tail}", flush=True)
+            s = state(run_dir)
+            print(json.dumps({k: s.get(k) for k in ("state", "attempt", "ranks", "last_failure")}, default=str)[:3000],
+                  json.dumps(s.get("history", [])[-2:], default=str)[:3000], flush=True)
     finally:
         seen = []
         with contextlib.suppress(psutil.Error):
@@ -166,13 +176,18 @@ def main() -> int:
     p.add_argument("--kills", type=int, default=100, help="kills per mode")
     p.add_argument("--mode", choices=("async", "sync", "local", "both", "all"), default="both")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--keep", action="store_true", help="keep the run dirs and logs (printed) for a post-mortem")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kill_campaign.json")
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
+    print(f"seed {seed}", flush=True)
     results = []
-    with tempfile.TemporaryDirectory(prefix="resilient-kills-") as tmp:
+    keep = contextlib.nullcontext(tempfile.mkdtemp(prefix="resilient-kills-")) if args.keep else None
+    with keep or tempfile.TemporaryDirectory(prefix="resilient-kills-") as tmp:
         modes = {"both": ("async", "sync"), "all": ("async", "sync", "local")}.get(args.mode, (args.mode,))
+        if args.keep:
+            print(f"run dirs and logs kept in {tmp}", flush=True)
         for mode in modes:
             t0 = time.monotonic()
             results.append(campaign(mode, args.kills, rng, Path(tmp)))
