@@ -76,10 +76,14 @@ class ReplicationState:
 
 def split_unreplicated(plan: retention.Plan, infos: list[store.CheckpointInfo],
                        durable: set[int]) -> tuple[retention.Plan, list[retention.Removal]]:
-    """`plan` (a local tier's retention) less the valid local checkpoints the durable tier lacks, and those: they
-    may be the only copy. Used by the replicator's retention and by `gc --keep-local`."""
+    """`plan` (a local tier's retention) less the valid local checkpoints newer than the newest valid durable one,
+    and those: they may be the only copy of that progress. One the durable tier no longer holds but that is older
+    than its newest is not held: the durable tier's own retention (`keep`) dropped its copy, and a newer one is
+    there (holding it leaked the local tier whenever `keep` <= `keep_local`: the kill campaign's tmpfs tier kept
+    every checkpoint). Used by the replicator's retention and by `gc --keep-local`."""
     valid = {i.path for i in infos if i.valid}
-    held = [r for r in plan.remove if r.path in valid and r.step not in durable]
+    newest = max(durable, default=-1)
+    held = [r for r in plan.remove if r.path in valid and r.step is not None and r.step > newest]
     return retention.Plan(plan.kept, [r for r in plan.remove if r not in held], plan.spared), held
 
 

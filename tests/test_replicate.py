@@ -143,3 +143,24 @@ def test_retention_keeps_deleted_data_files_for_the_next_save_and_stop_frees_the
     r.stop()  # never started: stop() still applies retention, and drops the pool
     assert store.spare_sizes(local) == {} and not (local / store.SPARE_DIR).exists()
     assert [i.step for i in store.scan(local)] == [30] and store.inspect(local / store.step_dirname(30)).valid
+
+
+def test_local_retention_deletes_what_the_durable_tier_dropped_by_its_own_retention(tmp_path):
+    """keep (durable) = keep_local = 2: each durable commit drops the durable copy of the step local retention is
+    about to delete. It is older than the newest durable step, so it goes; only a step newer than every durable
+    one is held (before, every local checkpoint was held forever, and a tmpfs tier grew without bound)."""
+    one_node = {"a": [0, 1]}
+    r = Replicator(tmp_path / "local-a", tmp_path / "durable", "a", keep_local=2, keep=2, outage_s=3600.0)
+    for step in (10, 20, 30, 40):
+        local_checkpoint(tmp_path / "local-a", step, "a", one_node)
+        r._replicate(step)
+        r._local_retention()
+    assert [i.step for i in store.scan(tmp_path / "durable") if i.valid] == [30, 40]
+    assert [i.step for i in store.scan(tmp_path / "local-a")] == [30, 40]
+    local_checkpoint(tmp_path / "local-a", 50, "a", one_node)
+    local_checkpoint(tmp_path / "local-a", 60, "a", one_node)  # neither replicated yet
+    r._local_retention()
+    assert [i.step for i in store.scan(tmp_path / "local-a")] == [50, 60]  # 30, 40 are in the durable tier
+    r.keep_local = 1
+    r._local_retention()
+    assert [i.step for i in store.scan(tmp_path / "local-a")] == [50, 60]  # 50 is newer than durable 40: held
