@@ -3,6 +3,7 @@ written front to back, hashed as they go, around the page cache where they can b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -100,7 +101,8 @@ class HashedFile:
         self.path = Path(path)
         self.reuse = reuse and _plain_own_file(self.path)
         if reuse and not self.reuse:  # a link, or not a plain file: never written through; replaced
-            os.unlink(self.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
         # `reuse`: the file's pages are written over, not freed and taken again (close() cuts off any tail)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (0 if self.reuse else os.O_TRUNC), 0o644)
         self.direct_fd: int | None = None
