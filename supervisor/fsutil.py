@@ -104,7 +104,13 @@ class HashedFile:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         # `reuse`: the file's pages are written over, not freed and taken again (close() cuts off any tail)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (0 if self.reuse else os.O_TRUNC), 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_NOFOLLOW if self.reuse else os.O_TRUNC)
+        self.fd = os.open(self.path, flags, 0o644)
+        if self.reuse and not _plain_own_fd(self.fd):  # swapped since it was checked: replaced after all
+            os.close(self.fd)
+            os.unlink(self.path)
+            self.reuse = False
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.direct_fd: int | None = None
         if direct and hasattr(os, "O_DIRECT"):
             try:
@@ -155,6 +161,11 @@ def _plain_own_file(path: Path) -> bool:
         st = os.lstat(path)
     except OSError:
         return False
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
+def _plain_own_fd(fd: int) -> bool:
+    st = os.fstat(fd)
     return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
 
 

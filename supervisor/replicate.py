@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 
 from supervisor import retention, store
-from supervisor.fsutil import CHUNK, HashedFile, atomic_write_bytes, fsync_dir, page_aligned_buffer
+from supervisor.fsutil import CHUNK, PAGE, HashedFile, atomic_write_bytes, fsync_dir, page_aligned_buffer
 
 log = logging.getLogger("resilient")
 
@@ -114,6 +114,7 @@ class Replicator:
         self._thread = threading.Thread(target=self._run, name="resilient-replicate", daemon=True)
         self._pause = float(os.environ.get(PAUSE_ENV) or 0.0)
         self._failures = 0  # copies failed in this process, ever
+        self._buffer: memoryview | None = None  # page-aligned, for the durable writes (O_DIRECT)
 
     # ---- called by the supervisor ----------------------------------------------------------------------
 
@@ -258,7 +259,9 @@ class Replicator:
         if dest.exists() and dest.stat().st_size == rec.size and store.checksum_file(dest, algorithm) == rec.checksum:
             return 0
         tmp = dest.with_name(f".{dest.name}.{self.node}.tmp")
-        buf = page_aligned_buffer(min(CHUNK, max(rec.size, 1)))
+        if self._buffer is None:  # one for the replicator's life: fresh pages cost (see store.keep_spare)
+            self._buffer = page_aligned_buffer(CHUNK)
+        buf = self._buffer[:max(PAGE, -(-min(CHUNK, rec.size) // PAGE) * PAGE)]
         out = HashedFile(tmp, store.hasher(algorithm), direct=True)  # the durable write, around the page cache
         try:
             with open(src, "rb", buffering=0) as fin:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import store
+from supervisor.fsutil import fsync_dir
 from supervisor.store import CheckpointInfo
 
 
@@ -94,8 +95,8 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
         for trash in store.trash_dirs(root):
             remove.append(Removal(trash, None, _folder_size(trash),
                                   "leftover of a superseded or partly deleted checkpoint"))
-        spares = store.spare_sizes(root)
-        if spares and not owner_alive:  # while a run goes on, its next save writes over them
+        spares = {} if owner_alive else store.spare_sizes(root)  # while a run goes on, its saves write over them
+        if spares:
             remove.append(Removal(root / store.SPARE_DIR, None, sum(spares.values()),
                                   "data files of deleted checkpoints that a run kept for its next saves"))
     return Plan(kept, remove, spared)
@@ -129,6 +130,9 @@ def _remove(r: Removal, spare_bytes: int = 0) -> str | None:
         path = aside
     if spare_bytes:
         with contextlib.suppress(OSError):
+            # The rename aside durable first: a crash must never bring back step_<N> over a file that a new save
+            # has since written over (a persistent local tier; its inspect checks sizes, not every byte).
+            fsync_dir(path.parent)
             store.keep_spare(path, path.parent, spare_bytes)
     errors: list[str] = []
 

@@ -26,6 +26,7 @@ mode, and a deep check reads every byte. This module never imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import enum
@@ -38,7 +39,9 @@ import platform
 import re
 import shutil
 import socket
+import stat
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -579,7 +582,8 @@ def trash_dirs(root: str | os.PathLike) -> list[Path]:
 
 def keep_spare(folder: Path, root: Path, limit_bytes: int) -> int:
     """Move the data files of `folder` (a checkpoint already renamed aside for deletion) into `root`'s spare pool,
-    while the pool holds less than `limit_bytes`; returns the bytes kept. Only plain files with one link move.
+    while the pool holds less than `limit_bytes`; returns the bytes kept. Only plain files with one link move, and
+    only into a pool that is a real folder (a link there could lead outside the tier).
 
     A local tier on tmpfs pays for every page a new file takes (allocated and zeroed on the ranks' cores, and on a
     VM backed by its host on first touch: a 512 MB write beside training took 1.66 s into fresh pages, 0.33-0.48 s
@@ -595,9 +599,12 @@ def keep_spare(folder: Path, root: Path, limit_bytes: int) -> int:
         st = e.stat(follow_symlinks=False)
         if st.st_nlink != 1 or held + st.st_size > limit_bytes:
             continue
-        pool.mkdir(exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            pool.mkdir()
+        if not _real_folder(pool):
+            return kept
         try:
-            os.rename(e.path, pool / f"{e.name}.{time.time_ns()}")
+            os.rename(e.path, pool / f"{e.name}.{uuid.uuid4().hex}")
         except OSError:
             continue
         held += st.st_size
@@ -605,24 +612,38 @@ def keep_spare(folder: Path, root: Path, limit_bytes: int) -> int:
     return kept
 
 
+def _real_folder(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _spares(pool: Path) -> list[os.DirEntry[str]]:
+    """The pool's plain files; none when the pool is missing or not a real folder."""
+    if not _real_folder(pool):
+        return []
+    try:
+        return [e for e in os.scandir(pool) if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
 def spare_sizes(root: Path) -> dict[Path, int]:
-    """The spare pool's files and their sizes (empty when there is none)."""
-    pool = root / SPARE_DIR
-    if not pool.is_dir():
-        return {}
-    return {Path(e.path): e.stat(follow_symlinks=False).st_size for e in os.scandir(pool)
-            if e.is_file(follow_symlinks=False)}
+    """The spare pool's files and their sizes (empty when there is none). A file a rank claims meanwhile is
+    left out."""
+    sizes = {}
+    for e in _spares(root / SPARE_DIR):
+        with contextlib.suppress(FileNotFoundError):
+            sizes[Path(e.path)] = e.stat(follow_symlinks=False).st_size
+    return sizes
 
 
 def claim_spare(root: Path, dest: Path) -> bool:
     """Rename one file of `root`'s spare pool to `dest` (preferring one that had `dest`'s name); True when one
     was taken. Ranks claim concurrently: a rename either takes a file whole or finds it gone."""
     pool = root / SPARE_DIR
-    try:
-        names = sorted((e.name for e in os.scandir(pool) if e.is_file(follow_symlinks=False)),
-                       key=lambda n: (not n.startswith(dest.name + "."), n))
-    except OSError:
-        return False
+    names = sorted((e.name for e in _spares(pool)), key=lambda n: (not n.startswith(dest.name + "."), n))
     for name in names:
         try:
             os.rename(pool / name, dest)
@@ -633,11 +654,14 @@ def claim_spare(root: Path, dest: Path) -> bool:
 
 
 def drop_spares(root: Path) -> int:
-    """Delete `root`'s spare pool (a run is over, or `gc`); returns the bytes freed."""
+    """Delete `root`'s spare pool (a run is over, or `gc`); returns the bytes freed. A link named like the pool is
+    removed, never followed."""
     pool = root / SPARE_DIR
     freed = sum(spare_sizes(root).values())
-    if pool.is_dir():
+    if _real_folder(pool):
         shutil.rmtree(pool, ignore_errors=True)
+    elif pool.is_symlink():
+        pool.unlink(missing_ok=True)
     return freed
 
 

@@ -207,3 +207,19 @@ def test_a_file_written_over_a_spare_holds_exactly_the_new_bytes_and_never_write
     os.link(linked, target)
     assert write(target)[0] is False and target.read_bytes() == bytes(new[:3 * 4096 + 100])
     assert outside.read_bytes() == linked.read_bytes() == b"keep me"
+
+
+def test_a_spare_pool_that_is_a_link_is_never_followed(tmp_path):
+    """`.spare` as a symlink to a folder outside the tier: retention moves nothing there, a save claims nothing
+    from it, and dropping the pool removes the link, not what it points at."""
+    root, outside = tmp_path / "local", tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "__0_0.distcp.x").write_bytes(b"not the tier's")
+    write_checkpoint(root, 1)
+    (root / store.SPARE_DIR).symlink_to(outside)
+    aside = root / ".trash.step_000000001"
+    os.rename(root / store.step_dirname(1), aside)
+    assert store.keep_spare(aside, root, 1 << 30) == 0 and (aside / "__0_0.distcp").exists()
+    assert store.spare_sizes(root) == {} and not store.claim_spare(root, tmp_path / "__0_0.distcp")
+    store.drop_spares(root)
+    assert not (root / store.SPARE_DIR).is_symlink() and (outside / "__0_0.distcp.x").read_bytes() == b"not the tier's"
