@@ -99,18 +99,10 @@ class HashedFile:
 
     def __init__(self, path: str | os.PathLike, hasher: Hasher, *, direct: bool = False, reuse: bool = False):
         self.path = Path(path)
-        self.reuse = reuse and _plain_own_file(self.path)
-        if reuse and not self.reuse:  # a link, or not a plain file: never written through; replaced
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
         # `reuse`: the file's pages are written over, not freed and taken again (close() cuts off any tail)
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_NOFOLLOW if self.reuse else os.O_TRUNC)
-        self.fd = os.open(self.path, flags, 0o644)
-        if self.reuse and not _plain_own_fd(self.fd):  # swapped since it was checked: replaced after all
-            os.close(self.fd)
-            os.unlink(self.path)
-            self.reuse = False
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = _open_over(self.path) if reuse else None
+        self.reuse = fd is not None
+        self.fd = fd if fd is not None else os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.direct_fd: int | None = None
         if direct and hasattr(os, "O_DIRECT"):
             try:
@@ -155,18 +147,21 @@ class HashedFile:
         self.fd, self.direct_fd = -1, None
 
 
-def _plain_own_file(path: Path) -> bool:
-    """`path` is a plain file (not a link to one) that no other name shares: writing over it touches nothing else."""
+def _open_over(path: Path) -> int | None:
+    """`path` opened for writing over it, if it is a plain file (not a link to one) that no other name shares;
+    else None, and whatever is there is removed: writing over it must touch nothing else."""
     try:
-        st = os.lstat(path)
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO must not block the open
     except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
-
-
-def _plain_own_fd(fd: int) -> bool:
-    st = os.fstat(fd)
-    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+        fd = None
+    if fd is not None:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            return fd
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return None
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 
 from supervisor import retention, store
-from supervisor.fsutil import CHUNK, PAGE, HashedFile, atomic_write_bytes, fsync_dir, page_aligned_buffer
+from supervisor.fsutil import CHUNK, HashedFile, atomic_write_bytes, fsync_dir, page_aligned_buffer
 
 log = logging.getLogger("resilient")
 
@@ -261,7 +261,7 @@ class Replicator:
         tmp = dest.with_name(f".{dest.name}.{self.node}.tmp")
         if self._buffer is None:  # one for the replicator's life: fresh pages cost (see store.keep_spare)
             self._buffer = page_aligned_buffer(CHUNK)
-        buf = self._buffer[:max(PAGE, -(-min(CHUNK, rec.size) // PAGE) * PAGE)]
+        buf = self._buffer
         out = HashedFile(tmp, store.hasher(algorithm), direct=True)  # the durable write, around the page cache
         try:
             with open(src, "rb", buffering=0) as fin:

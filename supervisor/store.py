@@ -653,16 +653,13 @@ def claim_spare(root: Path, dest: Path) -> bool:
     return False
 
 
-def drop_spares(root: Path) -> int:
-    """Delete `root`'s spare pool (a run is over, or `gc`); returns the bytes freed. A link named like the pool is
-    removed, never followed."""
+def drop_spares(root: Path) -> None:
+    """Delete `root`'s spare pool (the run is over). A link named like the pool is removed, never followed."""
     pool = root / SPARE_DIR
-    freed = sum(spare_sizes(root).values())
     if _real_folder(pool):
         shutil.rmtree(pool, ignore_errors=True)
     elif pool.is_symlink():
         pool.unlink(missing_ok=True)
-    return freed
 
 
 def scan(root: str | os.PathLike, *, deep: bool = False, progress: Progress | None = None,
