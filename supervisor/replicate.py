@@ -11,6 +11,10 @@ in the torch-free supervisor (alive across rank crashes), copies each one into `
 3. when every node of the save has its part there, one of them (under `.commit.lock`) publishes the folder:
    the marker last, as for any checkpoint (store.publish). Until then it is a partial, never valid.
 
+Newest first: when the durable tier is slower than the saves, each copy takes the newest local checkpoint
+(the one another node has begun, if any, so the nodes finish the same step) and the older ones it supersedes
+are never copied; local retention may then delete them.
+
 It resumes after a supervisor restart: whatever local checkpoint is newer than the newest durable one and
 has no part of this node in the durable tier yet is queued again. Failures (a durable tier that is full or
 unwritable) never stop training: the step stays queued, retried with a growing wait, and `failing_since`
@@ -62,6 +66,7 @@ class ReplicationState:
     bytes_copied: int = 0
     seconds_copying: float = 0.0
     deleted_unreplicated: list[int] = field(default_factory=list)
+    superseded: int = 0  # local checkpoints never copied: a newer one reached the durable tier first
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -171,29 +176,51 @@ class Replicator:
         while not self._stop.is_set():
             self._wake.wait(RETRY_S[min(failures, len(RETRY_S) - 1)] if failures else 1.0)
             self._wake.clear()
-            with self._lock:
-                todo = sorted(self._queue)
-            if not todo:
-                self._idle.set()
-                continue
-            self._idle.clear()
-            for step in todo:
-                if self._stop.is_set():
-                    return
+            while not self._stop.is_set():
+                with self._lock:
+                    todo = sorted(self._queue)
+                if not todo:
+                    self._idle.set()
+                    break
+                self._idle.clear()
+                step = self._pick(todo)
                 try:  # a background loop logs and keeps going: the durable tier may come back
                     self._replicate(step)
                 except Exception as e:  # every failure of the durable tier is the same news
                     failures += 1
                     self._failed(step, e)
-                    break
                 else:
                     failures = 0
-                    with self._lock:
-                        self._queue.discard(step)
+                    self._done(step)
                     self._recovered()
-            with contextlib.suppress(Exception):
-                self._local_retention()
-                self._refresh()
+                with contextlib.suppress(Exception):
+                    self._local_retention()
+                    self._refresh()
+                if failures:
+                    break
+
+    def _pick(self, todo: list[int]) -> int:
+        """The step to copy next: the newest queued one that another node has already put its part of into the
+        durable tier (so that every node finishes the same step), else the newest queued one. A durable tier
+        slower than the saves thus copies the latest progress and skips what it supersedes, instead of falling
+        further behind with every save while the local tier holds every step it has not copied."""
+        def begun(step: int) -> bool:
+            parts = self.durable_root / store.partial_dirname(step) / PARTS
+            return any(p.stem != self.node for p in parts.glob("*.json"))
+
+        return max([s for s in todo if begun(s)] or todo)
+
+    def _done(self, step: int) -> None:
+        """`step` has this node's part in the durable tier: it leaves the queue, and so do the queued steps older
+        than the newest durable checkpoint (superseded: local retention may delete them, nobody resumes from them)."""
+        newest = max(self._durable_valid(), default=-1)
+        with self._lock:
+            self._queue.discard(step)
+            superseded = sorted(s for s in self._queue if s < newest)
+            self._queue.difference_update(superseded)
+            self.state.superseded += len(superseded)
+        if superseded:
+            log.info("not copying local step(s) %s to the durable tier: step %d is there, newer", superseded, newest)
 
     def _failed(self, step: int, error: Exception) -> None:
         self._failures += 1

@@ -164,3 +164,35 @@ def test_local_retention_deletes_what_the_durable_tier_dropped_by_its_own_retent
     r.keep_local = 1
     r._local_retention()
     assert [i.step for i in store.scan(tmp_path / "local-a")] == [50, 60]  # 50 is newer than durable 40: held
+
+
+def test_a_durable_tier_behind_the_saves_copies_the_newest_step_and_skips_what_it_supersedes(tmp_path):
+    """Three local checkpoints wait (the durable tier was slower than the saves): the running replicator copies
+    the newest, never the two it supersedes, and local retention may then delete them. Oldest first, the durable
+    tier fell a save further behind with each save, and the local tier held every step it had not copied."""
+    one_node = {"a": [0, 1]}
+    for step in (10, 20, 30):
+        local_checkpoint(tmp_path / "local-a", step, "a", one_node)
+    r = replicator(tmp_path, "a", keep_local=1)
+    r.start()
+    try:
+        assert r.drain(10.0)
+    finally:
+        r.stop()
+    assert [i.step for i in store.scan(tmp_path / "durable")] == [30]  # no partial of 10 or 20 either
+    assert r.state.replicated == 1 and r.state.superseded == 2
+    assert [i.step for i in store.scan(tmp_path / "local-a")] == [30]
+
+
+def test_every_node_copies_the_step_another_node_has_begun(tmp_path):
+    """Node b put its part of step 20 into the durable tier; node a, with 20 and 30 queued, finishes 20 (the
+    newest would leave both steps half there while the saves go on) and then copies 30."""
+    for step in (20, 30):
+        for node in NODES:
+            local_checkpoint(tmp_path / f"local-{node}", step, node)
+    replicator(tmp_path, "b")._replicate(20)
+    a = replicator(tmp_path, "a")
+    assert a._pick([20, 30]) == 20
+    a._replicate(20)
+    assert store.inspect(tmp_path / "durable" / store.step_dirname(20)).valid
+    assert a._pick([30]) == 30 and replicator(tmp_path, "b")._pick([30]) == 30

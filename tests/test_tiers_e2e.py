@@ -71,12 +71,13 @@ def test_the_local_tier_is_replicated_through_a_supervisor_kill_and_a_bad_local_
     assert listed[int(partial.name.split("_")[1].split(".")[0])]["status"] == "incomplete"
     assert valid_steps(local) == [20, 40, 60]  # none replicated: none deleted, keep_local notwithstanding
 
-    # 2. `resilient run` again: the ranks resume from the local tier, and the copies complete.
+    # 2. `resilient run` again: the ranks resume from the local tier, and the copies complete, newest first.
     console = finish(run_job(run_dir, tier, steps=80, sleep=0.0), tmp_path, "second.log")
     assert "resuming from local step 60 if every node holds it" in console
     assert "from the local tier (every node holds step 60 whole)" in console
-    assert valid_steps(durable) == [40, 60, 80] and valid_steps(local) == [60, 80]
-    for step in (40, 60, 80):
+    # Newest first: 60 is copied, 20 and 40 never are (superseded; the killed copy's partial is cleaned up).
+    assert valid_steps(durable) == [60, 80] and valid_steps(local) == [60, 80]
+    for step in (60, 80):
         deep = store.inspect(durable / store.step_dirname(step), deep=True)
         assert deep.valid and deep.manifest.extra["tier"] == "durable", deep.reason
     assert not list(durable.glob("*.partial"))
