@@ -3,6 +3,7 @@ supervisor's `Replicator`, against saving straight to the durable tier (`checkpo
 
     python bench/tiers.py                       # CPU: 1 GB of state over 2 gloo ranks, local tier in /dev/shm
     python bench/tiers.py --gb 2 --saves 6 --local-tier /mnt/nvme --tmp /shared/fs   # a cluster node
+    sudo python bench/tiers.py --every 2 --durable-mbps 200     # the durable tier slower than the interval
 
 One torchrun job that this script launches itself, and a `Replicator` in this (torch-free) process, as the
 supervisor runs it: it copies each checkpoint the ranks commit to the local tier into the durable tier, verified
@@ -20,7 +21,14 @@ come to `--gb` GB over all ranks, then alternates saves to the two tiers, traini
 - relaunch load of the same checkpoint from each tier, with the page cache dropped before the durable read
   (`/proc/sys/vm/drop_caches` as root; else posix_fadvise DONTNEED on the files, and the report says so);
 - replication throughput: the `Replicator` copying one checkpoint (idle machine) against a plain copy of the same
-  files (read, write, fsync each), and the bytes/second it achieved beside training.
+  files (read, write, fsync each), and the bytes/second it achieved beside training;
+- sustained saves (`--sustained N --every K`): N saves per tier, one every K steps, training throughout; the
+  window's time over its steps' steady time, per save, is what the saves cost training, whatever waited for what.
+  With `--durable-mbps M` (root, cgroup v1 blkio) the durable tier's disk takes writes at M MB/s during this
+  phase, as a shared filesystem slower than this machine's disk would: a direct save then waits for its
+  predecessor's persist whenever the interval is shorter than the persist; a local save does not, and the
+  replicator copies the newest local checkpoint, skipping those it supersedes (the report counts how many of the
+  window's saves reached the durable tier).
 
 Prints a markdown table and writes bench/results/tiers.json. Timings on a shared machine are noisy: compare
 figures from the same run only.
@@ -29,6 +37,7 @@ figures from the same run only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -141,8 +150,46 @@ def worker(args: argparse.Namespace) -> None:
             sync_device()
             dist.barrier(group=group)
             loads[tier].append(time.monotonic() - t0)
+    # ---- sustained saves, one every `--every` steps, the durable tier's writes throttled to `--durable-mbps`
+    def throttle(bps: int) -> None:
+        if rank == 0 and args.throttle:
+            limits, dev = args.throttle.split("|")
+            Path(limits).write_text(f"{dev} {bps}\n")
+        dist.barrier(group=group)
+
+    def sustained(ckpt: Checkpointer) -> dict[str, Any]:
+        """`--sustained` saves at a fixed interval, training throughout: the window's time over its steps' steady
+        time is what the saves cost training, whatever waited for what (a direct save waits for its predecessor's
+        persist when the durable tier is slower than the interval). The last save's persist is left out."""
+        dist.barrier(group=group)
+        first, blocking, steps = state.step + 1, [], []
+        t0 = time.monotonic()
+        for _ in range(args.sustained):
+            state.step += 1
+            blocking.append(ckpt.save(state.step, sd_fn, sync=False))
+            steps += [train_step() for _ in range(args.every)]
+        wall = time.monotonic() - t0
+        ckpt.wait()
+        return {"wall_s": wall, "blocking_s": blocking, "steps_s": steps, "first_step": first}
+
+    phases: dict[str, Any] = {}
+    if args.sustained:
+        throttle(args.durable_bps)
+        try:
+            phases["direct"] = sustained(direct)
+            phases["tiered"] = sustained(tiered)
+            last = state.step - args.every
+            # What reached the durable tier from the tiered window, when its last save's copy is in (or 600 s).
+            deadline = time.monotonic() + 600
+            while not everyone_agrees(durable_copy(last) or time.monotonic() > deadline):
+                time.sleep(0.5)
+            first = phases["tiered"]["first_step"]
+            phases["tiered"]["durable_steps"] = [i.step for i in store.scan(durable) if i.valid and i.step >= first]
+            phases["tiered"]["drained_s"] = time.monotonic() - deadline + 600
+        finally:
+            throttle(0)
     mine = {"rank": rank, "params": sum(p.numel() for p in model.parameters()), "config": vars(r.cfg),
-            "steady_steps_s": steady, "saves": saves, "loads": loads, "cache_drop": how,
+            "steady_steps_s": steady, "saves": saves, "loads": loads, "cache_drop": how, "sustained": phases,
             "checkpoint_bytes": store.inspect(paths["durable"]).manifest.total_bytes}
     gathered: list[Any] | None = [None] * ctx.world_size if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0, group=group)
@@ -243,6 +290,21 @@ def summarise(ranks: list[dict[str, Any]], rep: dict[str, Any], beside: dict[str
                         "marker_lag_s": each[0]["marker_lag_s"]})
         return {k: med(p[k] for p in per) for k in per[0]} | {"each": per}
 
+    def window(name: str) -> dict[str, Any] | None:
+        if not ranks[0]["sustained"]:
+            return None
+        each = [r["sustained"][name] for r in ranks]
+        n = len(each[0]["blocking_s"])
+        wall = max(e["wall_s"] for e in each)
+        steps = len(each[0]["steps_s"])
+        blocking = [max(v) for v in zip(*(e["blocking_s"] for e in each), strict=True)]
+        return {"saves": n, "steps": steps, "wall_s": wall, "cost_s": (wall - steady * steps) / n,
+                "blocking_s": med(blocking), "blocking_each_s": blocking,
+                "durable_steps": each[0].get("durable_steps"), "drained_s": each[0].get("drained_s")}
+
+    sustained = {"direct": window("direct"), "tiered": window("tiered")}
+    if sustained["direct"]:
+        sustained["cost_ratio"] = sustained["tiered"]["cost_s"] / sustained["direct"]["cost_s"]
     direct, tiered, first = arm("direct"), arm("tiered"), arm("tiered_first")
     loads = {t: [max(v) for v in zip(*(r["loads"][t] for r in ranks), strict=True)] for t in ("local", "durable")}
     gb = rep["bytes"] / 1e9
@@ -258,6 +320,7 @@ def summarise(ranks: list[dict[str, Any]], rep: dict[str, Any], beside: dict[str
         "replicate_gb_per_s": gb / med(rep["replicate_s"]), "plain_copy_gb_per_s": gb / med(rep["plain_copy_s"]),
         "replicate_vs_copy": med(rep["plain_copy_s"]) / med(rep["replicate_s"]),
         "beside_training_gb_per_s": beside["bytes_copied"] / 1e9 / max(1e-9, beside["seconds_copying"]),
+        "sustained": sustained,
         "raw": {"loads": loads, "replication": rep, "replicator_beside_training": beside},
     }
 
@@ -293,7 +356,52 @@ def report(o: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"| replication of one checkpoint, idle machine / plain copy (read, write, fsync) | "
           f"{o['replicate_s']:.2f} s ({o['replicate_gb_per_s']:.2f} GB/s) | {o['plain_copy_s']:.2f} s "
           f"({o['plain_copy_gb_per_s']:.2f} GB/s) | {o['replicate_vs_copy']:.2f} | ≥ 0.7 |")
-    print(f"| replication beside training | {o['beside_training_gb_per_s']:.2f} GB/s | | | |")
+    throttled = " (the throttled sustained phase included)" if args.durable_mbps and args.sustained else ""
+    print(f"| replication beside training{throttled} | {o['beside_training_gb_per_s']:.2f} GB/s | | | |")
+    sd, st = o["sustained"]["direct"], o["sustained"]["tiered"]
+    if sd:
+        disk = f"durable tier's writes throttled to {args.durable_mbps:g} MB/s" if args.durable_mbps else \
+            "durable tier unthrottled"
+        print(f"| sustained: {sd['saves']} saves per tier, one every {args.every} step(s), {disk}: training-visible "
+              f"cost per save (the window over its steps' steady time) | {st['cost_s']:.3f} s | {sd['cost_s']:.3f} s "
+              f"| {o['sustained']['cost_ratio']:.2f} | ≤ 0.33 |")
+        print(f"| sustained: training blocked per save, median (a direct save waits for its predecessor's persist) |"
+              f" {st['blocking_s']:.3f} s | {sd['blocking_s']:.3f} s | | |")
+        durable = st["durable_steps"] or []
+        print(f"| sustained: the window's saves that reached the durable tier (newest first; the rest superseded) | "
+              f"{len(durable)} of {st['saves']}, the last {st['drained_s']:.1f} s after the window | "
+              f"{sd['saves']} of {sd['saves']} | | |")
+
+
+BLKIO = Path("/sys/fs/cgroup/blkio")
+
+
+def join_throttle_group(tmp: Path) -> tuple[Path, str]:
+    """A cgroup (v1 blkio) that this process joins before it starts the job and the replicator, so that their
+    O_DIRECT writes to `tmp`'s disk can be throttled (the workers set the limit for the sustained phase: a durable
+    tier slower than this machine's disk, as a shared filesystem is). Returns (its limits file, the device)."""
+    limits = BLKIO / "blkio.throttle.write_bps_device"
+    if not limits.exists():
+        raise SystemExit(f"--durable-mbps needs cgroup v1's blkio controller ({limits} is missing)")
+    st = os.stat(tmp)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    group = BLKIO / f"resilient-bench-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "blkio.throttle.write_bps_device").write_text(f"{dev} 0\n")
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as e:
+        leave_throttle_group(group)
+        raise SystemExit(f"--durable-mbps: cannot throttle writes to {tmp} (device {dev}) in {group}: {e.strerror} "
+                         "(it needs root, and a whole disk, not a partition)") from None
+    return group / "blkio.throttle.write_bps_device", dev
+
+
+def leave_throttle_group(group: Path) -> None:
+    with contextlib.suppress(OSError):
+        (BLKIO / "cgroup.procs").write_text(str(os.getpid()))
+    with contextlib.suppress(OSError):
+        group.rmdir()  # empty once the job's processes are gone
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
@@ -301,9 +409,15 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     local = Path(tempfile.mkdtemp(prefix="resilient-bench-local-", dir=args.local_tier))
     stop = threading.Event()
     t0 = time.monotonic()
-    proc = start_job(__file__, args, argv, tmp, ("--local-root", str(local / "local")))
+    extra = ("--local-root", str(local / "local"))
+    group = None
+    if args.durable_mbps:
+        limits, dev = join_throttle_group(tmp)
+        group = limits.parent
+        extra += ("--throttle", f"{limits}|{dev}")
+    proc = start_job(__file__, args, argv, tmp, extra)
     try:
-        rep = replicate_beside(local / "local", tmp / "durable", stop, keep=2 * args.saves + 4)
+        rep = replicate_beside(local / "local", tmp / "durable", stop, keep=2 * (args.saves + args.sustained) + 8)
         try:
             rc = wait_job(proc, args.timeout)
         finally:
@@ -318,6 +432,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         idle = replication_vs_copy(local / "local", tmp / "scratch", args.copies)
     finally:
         end_job(proc)
+        if group is not None:
+            leave_throttle_group(group)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(local, ignore_errors=True)
     out = summarise(ranks, idle, beside, wall, args)
@@ -336,9 +452,17 @@ def main(argv: list[str] | None = None) -> int:
     # Not `--local`: torchrun (2.11) reads an abbreviation of its own --local-addr in the worker's arguments
     p.add_argument("--local-tier", default="/dev/shm", help="parent of the local tier (default: /dev/shm, tmpfs)")
     p.add_argument("--tmp", default=None, help="parent of the durable tier (default: the system's temp folder)")
+    p.add_argument("--sustained", type=int, default=6,
+                   help="saves per tier at a fixed interval, training throughout (0: none)")
+    p.add_argument("--every", type=int, default=1, help="training steps between the sustained saves")
+    p.add_argument("--durable-mbps", type=float, default=0.0,
+                   help="during the sustained saves, throttle writes to the durable tier's disk to this many MB/s "
+                        "(cgroup v1 blkio, as root): a shared filesystem slower than this machine's disk")
     p.add_argument("--out", type=Path, default=RESULTS / "tiers.json")
     p.add_argument("--local-root", help=argparse.SUPPRESS)
+    p.add_argument("--throttle", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.durable_bps = int(args.durable_mbps * 1e6)
     if args.worker:
         worker(args)
         return 0
