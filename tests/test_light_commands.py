@@ -148,6 +148,21 @@ def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
     assert "tiny" in text and "worker_signal" in text and "rank 1 killed by SIGKILL" in text
 
 
+def test_status_says_which_local_steps_the_durable_tier_never_got(tmp_path, cli):
+    """A durable tier slower than the saves: the replicator copied the newest and skipped the rest; status says
+    so in the tiers line and in --json."""
+    from supervisor.replicate import ReplicationState
+
+    rep = ReplicationState(str(tmp_path / "local"), str(tmp_path / "checkpoints"), newest_local=140,
+                           newest_local_at=time.time(), newest_durable=120, newest_durable_at=time.time() - 4,
+                           pending=[140], replicated=3, superseded=2)
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=150, replication=rep.to_dict())
+    text = cli("status", tmp_path).stdout
+    assert "local step 140 · durable step 120 · lag 20 steps" in text
+    assert "copying [140] · 2 not copied (superseded)" in text
+    assert json.loads(cli("status", tmp_path, "--json").stdout)["replication"]["superseded"] == 2
+
+
 def test_status_without_a_run_is_a_clean_message(tmp_path, cli):
     r = cli("status", tmp_path)
     assert r.exit_code == 2 and "no run and no checkpoints here" in r.stderr and "Traceback" not in r.output

@@ -194,8 +194,10 @@ def replication_lines(node: NodeStatus, now: float, *, named: bool) -> list[Text
     elif local is not None:
         lag = " · up to date"
     pending = f" · copying {r['pending']}" if r.get("pending") else ""
+    # The durable tier could not keep up with the saves: the replicator copied newer ones instead of these.
+    skipped = f" · {r['superseded']} not copied (superseded)" if r.get("superseded") else ""
     out = [Text(f"tiers{who}  local step {'-' if local is None else local} · durable step "
-                f"{'-' if durable is None else durable}{lag}{pending}")]
+                f"{'-' if durable is None else durable}{lag}{pending}{skipped}")]
     if r.get("failing_since"):
         since = render.human_duration(now - r["failing_since"]) if node.supervisor_alive else "when it stopped"
         out.append(Text(f"the durable tier is FAILING for {since}: {r.get('last_error')}; checkpoints exist only "
