@@ -1,7 +1,7 @@
 """Two checkpoint tiers under `resilient run` for real (`checkpoint.local_dir`): the ranks commit to the node's
 local folder, the supervisor copies each checkpoint to `checkpoint.dir`. Faults: the supervisor killed in the
 middle of a copy, a corrupted local copy, a killed rank, a full durable tier, a replaced node (its local tier
-gone), and two nodes with their own local tiers."""
+gone), two nodes with their own local tiers, and two nodes whose durable copies are slower than their saves."""
 
 from __future__ import annotations
 
@@ -170,18 +170,18 @@ def test_a_full_durable_tier_does_not_stop_training_and_a_replaced_node_loses_at
     assert store.inspect(small_disk / store.step_dirname(step_at_loss + 40), deep=True).valid
 
 
-def job_file(tmp_path: Path, port: int) -> Path:
+def job_file(tmp_path: Path, port: int, *, steps: int = 100, interval: int = 20) -> Path:
     job = tmp_path / "mn.yaml"
     job.write_text(f"""\
 name: mn-tiers
 run_dir: run
 entrypoint:
   module: train_entry
-  args: [--steps, "100", --n-embd, "32", --device, cpu, --test-sleep-per-step, "0.05"]
+  args: [--steps, "{steps}", --n-embd, "32", --device, cpu, --test-sleep-per-step, "0.05"]
 nnodes: "2"
 nproc_per_node: 1
 rdzv: {{endpoint: "127.0.0.1:{port}", conf: {{last_call_timeout: 3}}}}
-checkpoint: {{interval_steps: 20, keep: 3, local_dir: "local/{{node}}"}}
+checkpoint: {{interval_steps: {interval}, keep: 3, local_dir: "local/{{node}}"}}
 restart: {{backoff_s: 0.5}}
 heartbeat: {{timeout_s: 30, startup_timeout_s: 180}}
 collective_timeout_s: 60
@@ -236,3 +236,41 @@ def test_two_nodes_resume_from_their_own_local_tiers_and_assemble_the_durable_ch
     assert sorted(p.name for p in final.glob("__*_0.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert sorted(store.inspect(final).manifest.extra["nodes"]) == ["a", "b"]
     assert not (final / ".parts").exists()  # the bookkeeping of the assembly goes once it is published
+
+
+def test_two_nodes_behind_a_slow_durable_tier_copy_the_same_newest_steps_and_skip_the_rest(tmp_path):
+    """Saves every ~0.6 s; each node's copy of a step takes 2 s (node a) or 0.5 s (node b) more than its bytes (the
+    test hook). Each node copies the newest step, or the one the other node has begun, so the durable tier gets
+    whole checkpoints with both nodes' shards, the newest last, while steps in between are never copied and the
+    local tiers keep only `keep_local`. Copied oldest first, node a would still be copying at the end, one
+    save further behind with each save."""
+    job = job_file(tmp_path, free_port(), steps=120, interval=10)
+    nodes = []
+    try:
+        for i, (name, pause) in enumerate((("a", "2"), ("b", "0.5"))):
+            nodes.append(Proc(resilient("run", job, "--node", name, "--set", f"rdzv.local_addr=127.0.0.{i + 1}"),
+                              tmp_path, env=child_env(RESILIENT_TEST_REPLICATE_PAUSE_S=pause),
+                              log=tmp_path / f"{name}.log"))
+        for n in nodes:
+            assert n.wait(300) == 0, n.output()[-3000:]
+    finally:
+        for n in nodes:
+            n.kill_all()
+    run_dir, durable = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    steps = valid_steps(durable)
+    assert steps and steps[-1] == 120, steps
+    for step in steps:
+        final = store.inspect(durable / store.step_dirname(step), deep=True)
+        assert final.valid, (step, final.reason)
+        assert sorted(p.name for p in final.path.glob("__*_0.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    reps = {name: json.loads((run_dir / "nodes" / name / "state.json").read_text())["replication"]
+            for name in ("a", "b")}
+    # 12 saves, ~2.5 s a copy on node a: most were never copied (oldest first, it copied all 12, the last ones
+    # while the run waited to exit)
+    assert reps["a"]["superseded"] >= 3 and reps["a"]["replicated"] + reps["a"]["superseded"] <= 12, reps["a"]
+    for name, rep in reps.items():
+        assert rep["pending"] == [], (name, rep)
+        # keep_local 2, beyond them only steps newer than the durable tier's newest when this node left (a node
+        # leaves once its own parts are there: the other node may publish after it)
+        held = valid_steps(tmp_path / "local" / name)
+        assert held[-2:] == [110, 120] and all(s > (rep["newest_durable"] or -1) for s in held[:-2]), (name, held, rep)
