@@ -46,6 +46,7 @@ log = logging.getLogger("resilient")
 PARTS = ".parts"
 COMMIT_LOCK = ".commit.lock"
 RETRY_S = (2.0, 5.0, 15.0, 30.0, 60.0)
+PUBLISH_WAIT_S = 20.0  # at exit, how long a node waits for the other nodes' parts of its newest step
 PAUSE_ENV = "RESILIENT_TEST_REPLICATE_PAUSE_S"  # test hook: sleep after the first file of each step
 
 
@@ -145,11 +146,23 @@ class Replicator:
         while time.monotonic() < deadline and self._failures == failures:
             with self._lock:
                 if not self._queue:
+                    self._await_publish(min(deadline, time.monotonic() + PUBLISH_WAIT_S))
                     return True
             self._wake.set()  # a retry now, not after its backoff
             self._idle.wait(0.1)
         with self._lock:
             return not self._queue
+
+    def _await_publish(self, deadline: float) -> None:
+        """This node's parts are all there; on several nodes another one may publish the newest step a moment
+        later. Wait for that (briefly: that node may be gone), so that retention and the final numbers see it:
+        otherwise a node that finished first keeps the steps newer than the durable tier's newest it saw, and
+        its state file shows a lag the durable tier no longer has."""
+        while time.monotonic() < deadline:
+            local = [i.step for i in store.scan(self.local_root) if i.valid] if self.local_root.is_dir() else []
+            if not local or max(local) <= max(self._durable_valid(), default=-1):
+                return
+            time.sleep(0.2)
 
     def stop(self) -> None:
         self._stop.set()

@@ -196,3 +196,31 @@ def test_every_node_copies_the_step_another_node_has_begun(tmp_path):
     a._replicate(20)
     assert store.inspect(tmp_path / "durable" / store.step_dirname(20)).valid
     assert a._pick([30]) == 30 and replicator(tmp_path, "b")._pick([30]) == 30
+
+
+def test_a_node_done_with_its_parts_waits_briefly_for_another_node_to_publish(tmp_path, monkeypatch):
+    """At exit, node b's parts are there but node a has not added its own: b waits for a's publish (so its retention
+    and state see the step durable), and not long when a never comes."""
+    import threading
+    import time
+
+    from supervisor import replicate
+
+    for node in NODES:
+        local_checkpoint(tmp_path / f"local-{node}", 10, node)
+    a, b = replicator(tmp_path, "a"), replicator(tmp_path, "b")
+    b._replicate(10)
+    later = threading.Timer(0.5, a._replicate, args=(10,))
+    later.start()
+    t0 = time.monotonic()
+    try:
+        assert b.drain(30.0)
+    finally:
+        later.join()
+    assert 0.4 < time.monotonic() - t0 < 10 and store.inspect(tmp_path / "durable" / store.step_dirname(10)).valid
+
+    local_checkpoint(tmp_path / "local-b", 20, "b")
+    b._replicate(20)  # a never adds its part of 20
+    monkeypatch.setattr(replicate, "PUBLISH_WAIT_S", 0.5)
+    t0 = time.monotonic()
+    assert b.drain(30.0) and time.monotonic() - t0 < 5
