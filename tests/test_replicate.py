@@ -212,15 +212,34 @@ def test_a_node_done_with_its_parts_waits_briefly_for_another_node_to_publish(tm
     b._replicate(10)
     later = threading.Timer(0.5, a._replicate, args=(10,))
     later.start()
+    b.start()
     t0 = time.monotonic()
     try:
         assert b.drain(30.0)
     finally:
         later.join()
+        b.stop()
     assert 0.4 < time.monotonic() - t0 < 10 and store.inspect(tmp_path / "durable" / store.step_dirname(10)).valid
 
     local_checkpoint(tmp_path / "local-b", 20, "b")
+    b = replicator(tmp_path, "b")
     b._replicate(20)  # a never adds its part of 20
     monkeypatch.setattr(replicate, "PUBLISH_WAIT_S", 0.5)
+    b.start()
     t0 = time.monotonic()
-    assert b.drain(30.0) and time.monotonic() - t0 < 5
+    try:
+        assert b.drain(30.0) and time.monotonic() - t0 < 5
+    finally:
+        b.stop()
+
+
+def test_drain_copies_a_local_commit_nobody_notified_of(tmp_path):
+    one_node = {"a": [0, 1]}
+    r = replicator(tmp_path, "a")
+    r.start()
+    try:
+        local_checkpoint(tmp_path / "local-a", 10, "a", one_node)  # committed, never notified
+        assert r.drain(30.0)
+    finally:
+        r.stop()
+    assert store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True).valid
