@@ -369,7 +369,7 @@ def report(o: dict[str, Any], args: argparse.Namespace) -> None:
               f" {st['blocking_s']:.3f} s | {sd['blocking_s']:.3f} s | | |")
         durable = st["durable_steps"] or []
         print(f"| sustained: the window's saves that reached the durable tier (newest first; the rest superseded) | "
-              f"{len(durable)} of {st['saves']}, the last {st['drained_s']:.1f} s after the window | "
+              f"{len(durable)} of {st['saves']}, the last {st['drained_s']:.1f} s after its local commit | "
               f"{sd['saves']} of {sd['saves']} | | |")
 
 
@@ -400,8 +400,15 @@ def join_throttle_group(tmp: Path) -> tuple[Path, str]:
 def leave_throttle_group(group: Path) -> None:
     with contextlib.suppress(OSError):
         (BLKIO / "cgroup.procs").write_text(str(os.getpid()))
-    with contextlib.suppress(OSError):
-        group.rmdir()  # empty once the job's processes are gone
+    deadline = time.monotonic() + 30
+    while group.exists():  # empty once the job's processes are gone (the killed ranks may take a moment)
+        try:
+            group.rmdir()
+        except OSError as e:
+            if time.monotonic() > deadline:
+                print(f"could not remove the cgroup {group}: {e.strerror}; remove it by hand", file=sys.stderr)
+                return
+            time.sleep(0.2)
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
@@ -410,13 +417,16 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     stop = threading.Event()
     t0 = time.monotonic()
     extra = ("--local-root", str(local / "local"))
-    group = None
-    if args.durable_mbps:
-        limits, dev = join_throttle_group(tmp)
-        group = limits.parent
-        extra += ("--throttle", f"{limits}|{dev}")
-    proc = start_job(__file__, args, argv, tmp, extra)
+    group, proc = None, None
     try:
+        if args.durable_mbps:
+            if os.stat(tmp).st_dev == os.stat(local).st_dev:
+                raise SystemExit(f"--durable-mbps: the local tier ({args.local_tier}) is on the durable tier's "
+                                 "device: the throttle would slow both")
+            limits, dev = join_throttle_group(tmp)
+            group = limits.parent
+            extra += ("--throttle", f"{limits}|{dev}")
+        proc = start_job(__file__, args, argv, tmp, extra)
         rep = replicate_beside(local / "local", tmp / "durable", stop, keep=2 * (args.saves + args.sustained) + 8)
         try:
             rc = wait_job(proc, args.timeout)
@@ -431,7 +441,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         beside = rep.snapshot()
         idle = replication_vs_copy(local / "local", tmp / "scratch", args.copies)
     finally:
-        end_job(proc)
+        if proc is not None:
+            end_job(proc)
         if group is not None:
             leave_throttle_group(group)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -93,6 +93,21 @@ def split_unreplicated(plan: retention.Plan, infos: list[store.CheckpointInfo],
     return retention.Plan(plan.kept, [r for r in plan.remove if r not in held], plan.spared), held
 
 
+def _save_of(files: list[Any]) -> frozenset[tuple[str, str]]:
+    """What identifies one save across the nodes' parts: the files every node's folder holds alike (DCP's metadata,
+    which names the save, and every rank's small file), by checksum. Records or their dicts."""
+    recs = [f if isinstance(f, store.FileRecord) else store.FileRecord(f["name"], int(f["size"]), f["checksum"])
+            for f in files]
+    return frozenset((r.name, r.checksum) for r in recs if not r.name.endswith(store.DATA_SUFFIX))
+
+
+def _read_part(path: Path) -> list[Any]:
+    try:
+        return json.loads(path.read_bytes())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 def yield_to_training() -> None:
     """Lower this thread's CPU and disk priority to the least (Linux sets both per thread): on a node whose cores
     all train, the copy takes what the ranks leave; it is never in training's way, only later."""
@@ -147,9 +162,10 @@ class Replicator:
             self._queue.update(self._unreplicated())
         while time.monotonic() < deadline and self._failures == failures:
             with self._lock:
-                if not self._queue:
-                    self._await_publish(min(deadline, time.monotonic() + PUBLISH_WAIT_S))
-                    return True
+                empty = not self._queue
+            if empty:
+                self._await_publish(min(deadline, time.monotonic() + PUBLISH_WAIT_S))
+                return True
             self._wake.set()  # a retry now, not after its backoff
             self._idle.wait(0.1)
         with self._lock:
@@ -175,6 +191,8 @@ class Replicator:
             with contextlib.suppress(Exception):
                 self._local_retention(spares=False)
                 self._refresh()
+            with contextlib.suppress(Exception):  # a skipped step's partial another node's publish had to spare
+                self._durable_retention()
             with contextlib.suppress(OSError):  # no save will write over them now: their memory goes back
                 store.drop_spares(self.local_root)
 
@@ -219,11 +237,15 @@ class Replicator:
         durable tier (so that every node finishes the same step), else the newest queued one. A durable tier
         slower than the saves thus copies the latest progress and skips what it supersedes, instead of falling
         further behind with every save while the local tier holds every step it has not copied."""
-        def begun(step: int) -> bool:
-            parts = self.durable_root / store.partial_dirname(step) / PARTS
-            return any(p.stem != self.node for p in parts.glob("*.json"))
+        def parts(step: int) -> set[str]:
+            return {p.stem for p in (self.durable_root / store.partial_dirname(step) / PARTS).glob("*.json")}
 
-        return max([s for s in todo if begun(s)] or todo)
+        # Not back to a step older than one whose part of ours waits for the other nodes: that one supersedes it.
+        waiting = [i.step for i in store.scan(self.durable_root) if i.partial and self.node in parts(i.step)] \
+            if self.durable_root.is_dir() else []
+        mine = max(waiting, default=-1)
+        begun = [s for s in todo if s >= mine and parts(s) - {self.node}]
+        return max(begun or todo)
 
     def _done(self, step: int) -> None:
         """`step` has this node's part in the durable tier: it leaves the queue, and so do the queued steps older
@@ -233,7 +255,9 @@ class Replicator:
             self._queue.discard(step)
             superseded = sorted(s for s in self._queue if s < newest)
             self._queue.difference_update(superseded)
-            self.state.superseded += len(superseded)
+            self.state.superseded += sum(  # re-queued steps whose part is there (start, drain) were copied
+                not (self.durable_root / store.partial_dirname(s) / PARTS / f"{self.node}.json").exists()
+                for s in superseded)
         if superseded:
             log.info("not copying local step(s) %s to the durable tier: step %d is there, newer", superseded, newest)
 
@@ -267,6 +291,8 @@ class Replicator:
         final = self.durable_root / store.step_dirname(step)
         if store.inspect(final).valid if final.is_dir() else False:
             return  # another node completed it
+        if step < max(self._durable_valid(), default=-1):
+            return  # superseded while queued: a newer step is durable (and this partial may be retention's now)
         partial = self.durable_root / store.partial_dirname(step)
         partial.mkdir(parents=True, exist_ok=True)
         for stale in partial.glob(f".*.{self.node}.tmp"):  # this node's copy cut short by a crash
@@ -275,6 +301,12 @@ class Replicator:
         try:
             fcntl.flock(live, fcntl.LOCK_SH)  # gc: a writer is at work here
             mine = partial / PARTS / f"{self.node}.json"
+            if mine.exists() and _save_of(_read_part(mine)) != _save_of(manifest.files):
+                # An earlier save of this step number (before a resume from an older checkpoint): its files are
+                # not this save's, and publishing them beside another node's new part would mix two states.
+                log.warning("step %d: this node's part in the durable tier is from an earlier save of that step; "
+                            "copying this one", step)
+                mine.unlink()
             if not mine.exists():
                 t0, copied = time.monotonic(), 0
                 for i, rec in enumerate(manifest.files):
@@ -324,9 +356,12 @@ class Replicator:
         """Publish the durable checkpoint if every node of the save has its part there (one node does)."""
         nodes = set(manifest.extra.get("nodes") or [self.node])
         parts = {}
+        this_save = _save_of(manifest.files)
         for p in (partial / PARTS).glob("*.json"):
-            with contextlib.suppress(OSError, ValueError):
-                parts[p.stem] = json.loads(p.read_bytes())
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                doc = json.loads(p.read_bytes())
+                if _save_of(doc["files"]) == this_save:  # a part of an earlier save of this step waits for its node
+                    parts[p.stem] = doc
         if not nodes <= set(parts):
             return
         try:
@@ -350,6 +385,10 @@ class Replicator:
         finally:
             os.close(fd)
         self.announce(f"step {step} is in the durable tier ({len(nodes)} node(s)' parts)", None)
+        self._durable_retention()
+
+    def _durable_retention(self) -> None:
+        """`keep` durable checkpoints; partials older than the newest valid one go unless a writer holds them."""
         plan = retention.plan(self.durable_root, store.scan(self.durable_root), self.keep, owner_alive=True)
         if plan.remove:
             retention.apply(plan)

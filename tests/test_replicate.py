@@ -5,6 +5,7 @@ durable copy."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from tests.ckpt_helpers import truncate
 NODES = {"a": [0, 1], "b": [2, 3]}
 
 
-def local_checkpoint(root: Path, step: int, node: str, ranks: dict[str, list[int]] = NODES) -> Path:
+def local_checkpoint(root: Path, step: int, node: str, ranks: dict[str, list[int]] = NODES, salt: str = "") -> Path:
     """What the ranks of `node` commit to its local tier: their shards, every rank's small file, the metadata."""
     partial = store.begin(root, step)
     world = sum(len(r) for r in ranks.values())
@@ -24,7 +25,7 @@ def local_checkpoint(root: Path, step: int, node: str, ranks: dict[str, list[int
     for name in names:
         # The shared files (small files, metadata) hold the same bytes on every node, as the ranks send them.
         shared = name.endswith("_1.distcp") or name == ".metadata"
-        seed = f"{name}-{step}" if shared else f"{name}-{step}-{node}"
+        seed = f"{name}-{step}{salt}" if shared else f"{name}-{step}-{node}{salt}"
         # Shards past SMALL_FILE_BYTES, as real ones: a size check does not read them, the copy does.
         (partial.path / name).write_bytes(seed.encode() * (100 if shared else (2 << 20) // len(seed)))
     records = store.describe_files(partial.path, names)
@@ -196,6 +197,34 @@ def test_every_node_copies_the_step_another_node_has_begun(tmp_path):
     a._replicate(20)
     assert store.inspect(tmp_path / "durable" / store.step_dirname(20)).valid
     assert a._pick([30]) == 30 and replicator(tmp_path, "b")._pick([30]) == 30
+    # a's part of 40 waits for b; b has begun 30 meanwhile: a goes on to 50, not back to 30 (40 supersedes it)
+    for step in (40, 50):
+        for node in NODES:
+            local_checkpoint(tmp_path / f"local-{node}", step, node)
+    a._replicate(40)
+    replicator(tmp_path, "b")._replicate(30)
+    assert a._pick([30, 50]) == 50
+
+
+def test_a_part_of_an_earlier_save_of_the_same_step_is_never_published_with_a_new_one(tmp_path):
+    """Node a copied its part of step 20; node b never did (its node was replaced). The job resumed from an older
+    durable step and saved step 20 again, other bytes. a copies its new part again, and the durable step 20 holds
+    only the new save's files: publishing a's old part beside b's new one would mix two training states."""
+    for node in NODES:
+        local_checkpoint(tmp_path / f"local-{node}", 20, node)
+    a = replicator(tmp_path, "a")
+    a._replicate(20)  # the old save's part of a
+    for node in NODES:  # the job went back and saved step 20 again
+        shutil.rmtree(tmp_path / f"local-{node}")
+        local_checkpoint(tmp_path / f"local-{node}", 20, node, salt="-again")
+    replicator(tmp_path, "b")._replicate(20)  # b's new part: a's old one must not complete the checkpoint
+    assert not (tmp_path / "durable" / store.step_dirname(20)).exists()
+    a._replicate(20)
+    final = tmp_path / "durable" / store.step_dirname(20)
+    assert store.inspect(final, deep=True).valid
+    for node, name in (("a", "__0_0.distcp"), ("b", "__2_0.distcp"), ("a", ".metadata")):
+        new = tmp_path / f"local-{node}" / store.step_dirname(20) / name
+        assert (final / name).read_bytes() == new.read_bytes(), name
 
 
 def test_a_node_done_with_its_parts_waits_briefly_for_another_node_to_publish(tmp_path, monkeypatch):
@@ -211,9 +240,9 @@ def test_a_node_done_with_its_parts_waits_briefly_for_another_node_to_publish(tm
     a, b = replicator(tmp_path, "a"), replicator(tmp_path, "b")
     b._replicate(10)
     later = threading.Timer(0.5, a._replicate, args=(10,))
+    t0 = time.monotonic()
     later.start()
     b.start()
-    t0 = time.monotonic()
     try:
         assert b.drain(30.0)
     finally:

@@ -267,7 +267,8 @@ def test_two_nodes_behind_a_slow_durable_tier_copy_the_same_newest_steps_and_ski
             for name in ("a", "b")}
     # 12 saves, ~2.5 s a copy on node a: most were never copied (oldest first, it copied all 12, the last ones
     # while the run waited to exit)
-    assert reps["a"]["superseded"] >= 3 and reps["a"]["replicated"] + reps["a"]["superseded"] <= 12, reps["a"]
+    assert reps["a"]["superseded"] >= 2 and reps["a"]["replicated"] + reps["a"]["superseded"] <= 12, reps["a"]
+    assert not list(durable.glob("*.partial"))  # the skipped steps' partials went with the last node's exit
     for name, rep in reps.items():
         assert rep["pending"] == [], (name, rep)
         # Each node left once step 120 was published, whichever node published it: its local tier keeps
