@@ -261,14 +261,3 @@ def test_a_node_done_with_its_parts_waits_briefly_for_another_node_to_publish(tm
     finally:
         b.stop()
 
-
-def test_drain_copies_a_local_commit_nobody_notified_of(tmp_path):
-    one_node = {"a": [0, 1]}
-    r = replicator(tmp_path, "a")
-    r.start()
-    try:
-        local_checkpoint(tmp_path / "local-a", 10, "a", one_node)  # committed, never notified
-        assert r.drain(30.0)
-    finally:
-        r.stop()
-    assert store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True).valid
