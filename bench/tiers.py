@@ -180,12 +180,12 @@ def worker(args: argparse.Namespace) -> None:
             phases["tiered"] = sustained(tiered)
             last = state.step - args.every
             # What reached the durable tier from the tiered window, when its last save's copy is in (or 600 s).
-            deadline = time.monotonic() + 600
-            while not everyone_agrees(durable_copy(last) or time.monotonic() > deadline):
+            since = time.monotonic()
+            while not everyone_agrees(durable_copy(last) or time.monotonic() > since + 600):
                 time.sleep(0.5)
             first = phases["tiered"]["first_step"]
             phases["tiered"]["durable_steps"] = [i.step for i in store.scan(durable) if i.valid and i.step >= first]
-            phases["tiered"]["drained_s"] = time.monotonic() - deadline + 600
+            phases["tiered"]["drained_s"] = time.monotonic() - since
         finally:
             throttle(0)
     mine = {"rank": rank, "params": sum(p.numel() for p in model.parameters()), "config": vars(r.cfg),

@@ -96,9 +96,13 @@ def split_unreplicated(plan: retention.Plan, infos: list[store.CheckpointInfo],
 def _save_of(files: list[Any]) -> frozenset[tuple[str, str]]:
     """What identifies one save across the nodes' parts: the files every node's folder holds alike (DCP's metadata,
     which names the save, and every rank's small file), by checksum. Records or their dicts."""
-    recs = [f if isinstance(f, store.FileRecord) else store.FileRecord(f["name"], int(f["size"]), f["checksum"])
-            for f in files]
+    recs = [f if isinstance(f, store.FileRecord) else _record(f) for f in files]
     return frozenset((r.name, r.checksum) for r in recs if not r.name.endswith(store.DATA_SUFFIX))
+
+
+def _record(d: dict[str, Any]) -> store.FileRecord:
+    """A file record as a part lists it (`FileRecord.to_dict`)."""
+    return store.FileRecord(d["name"], int(d["size"]), d["checksum"])
 
 
 def _read_part(path: Path) -> list[Any]:
@@ -253,7 +257,7 @@ class Replicator:
             self._queue.discard(step)
             superseded = sorted(s for s in self._queue if s < newest)
             self._queue.difference_update(superseded)
-            self.state.superseded += sum(  # re-queued steps whose part is there (start, drain) were copied
+            self.state.superseded += sum(  # steps start() re-queued with their part there were copied
                 not (self.durable_root / store.partial_dirname(s) / PARTS / f"{self.node}.json").exists()
                 for s in superseded)
         if superseded:
@@ -373,7 +377,7 @@ class Replicator:
             records: dict[str, store.FileRecord] = {}
             for part in parts.values():
                 for f in part["files"]:
-                    rec = store.FileRecord(f["name"], int(f["size"]), f["checksum"])
+                    rec = _record(f)
                     if records.setdefault(rec.name, rec) != rec:
                         raise ValueError(f"nodes disagree about {rec.name} of step {step}")
             extra = {k: v for k, v in manifest.extra.items() if k not in ("tier", "node")}
