@@ -8,8 +8,14 @@ in the torch-free supervisor (alive across rank crashes), copies each one into `
    the folder is live), each file through a temp name, checksummed while copied and compared with the local
    manifest before it is renamed into place; a file another node already put there is checked, not copied;
 2. `.parts/<node>.json`, written last for this node: the files it vouches for;
-3. when every node of the save has its part there, one of them (under `.commit.lock`) publishes the folder:
-   the marker last, as for any checkpoint (store.publish). Until then it is a partial, never valid.
+3. when every node of the save has its part there, one of them publishes the folder: the marker last, as for
+   any checkpoint (store.publish). Until then it is a partial, never valid.
+
+A publish removes the partial's bookkeeping, writes the marker and renames the folder; a node that entered the
+folder then (a restarted supervisor queues again a step whose part is there) would leave its lock file or
+`.parts/` in the published checkpoint, which would then inspect as corrupt. So every entry into a durable
+partial (and every removal of one) holds `.replication.lock` in the durable root shared, and a publish holds
+it exclusive: an entry sees the partial before the publish or the committed step after it.
 
 Newest first: when the durable tier is slower than the saves, each copy takes the newest local checkpoint
 (the one another node has begun, if any, so the nodes finish the same step) and the older ones it supersedes
@@ -31,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +50,7 @@ from supervisor.fsutil import CHUNK, HashedFile, atomic_write_bytes, fsync_dir, 
 log = logging.getLogger("resilient")
 
 PARTS = ".parts"
-COMMIT_LOCK = ".commit.lock"
+ROOT_LOCK = ".replication.lock"  # in the durable root: shared to enter a partial, exclusive to publish or delete
 RETRY_S = (2.0, 5.0, 15.0, 30.0, 60.0)
 PUBLISH_WAIT_S = 20.0  # at exit, how long a node waits for the other nodes' parts of its newest step
 PAUSE_ENV = "RESILIENT_TEST_REPLICATE_PAUSE_S"  # test hook: sleep after the first file of each step
@@ -291,25 +297,31 @@ class Replicator:
         manifest = info.manifest
         assert manifest is not None
         final = self.durable_root / store.step_dirname(step)
-        if store.inspect(final).valid if final.is_dir() else False:
-            return  # another node completed it
-        if step < max(self._durable_valid(), default=-1):
-            return  # superseded while queued: a newer step is durable (and this partial may be retention's now)
         partial = self.durable_root / store.partial_dirname(step)
-        partial.mkdir(parents=True, exist_ok=True)
-        for stale in partial.glob(f".*.{self.node}.tmp"):  # this node's copy cut short by a crash
-            stale.unlink(missing_ok=True)
-        live = os.open(partial / store.WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        mine = partial / PARTS / f"{self.node}.json"
+        with self._root_lock(fcntl.LOCK_SH):  # the partial as it was before a publish or a removal, or none
+            if store.inspect(final).valid if final.is_dir() else False:
+                return  # another node completed it
+            if step < max(self._durable_valid(), default=-1):
+                return  # superseded while queued: a newer step is durable (and this partial may be retention's now)
+            partial.mkdir(exist_ok=True)
+            live = os.open(partial / store.WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(live, fcntl.LOCK_SH)  # gc and retention: a writer is at work here
+                if mine.exists() and _save_of(_read_part(mine)) != _save_of(manifest.files):
+                    # An earlier save of this step number (before a resume from an older checkpoint): its files are
+                    # not this save's, and publishing them beside another node's new part would mix two states.
+                    log.warning("step %d: this node's part in the durable tier is from an earlier save of that "
+                                "step; copying this one", step)
+                    mine.unlink()
+                copy = not mine.exists()  # if it is there, only a publish can remove it, and that once this is out
+            except BaseException:
+                os.close(live)
+                raise
         try:
-            fcntl.flock(live, fcntl.LOCK_SH)  # gc: a writer is at work here
-            mine = partial / PARTS / f"{self.node}.json"
-            if mine.exists() and _save_of(_read_part(mine)) != _save_of(manifest.files):
-                # An earlier save of this step number (before a resume from an older checkpoint): its files are
-                # not this save's, and publishing them beside another node's new part would mix two states.
-                log.warning("step %d: this node's part in the durable tier is from an earlier save of that step; "
-                            "copying this one", step)
-                mine.unlink()
-            if not mine.exists():
+            for stale in partial.glob(f".*.{self.node}.tmp"):  # this node's copy cut short by a crash
+                stale.unlink(missing_ok=True)
+            if copy:  # no publish can take the folder away before this part is there
                 t0, copied = time.monotonic(), 0
                 for i, rec in enumerate(manifest.files):
                     copied += self._copy_verified(local / rec.name, partial / rec.name, rec,
@@ -357,25 +369,25 @@ class Replicator:
     def _try_commit(self, step: int, partial: Path, manifest: store.Manifest) -> None:
         """Publish the durable checkpoint if every node of the save has its part there (one node does)."""
         nodes = set(manifest.extra.get("nodes") or [self.node])
-        parts = {}
         this_save = _save_of(manifest.files)
-        for p in (partial / PARTS).glob("*.json"):
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                doc = json.loads(p.read_bytes())
-                if _save_of(doc["files"]) == this_save:  # a part of an earlier save of this step waits for its node
-                    parts[p.stem] = doc
-        if not nodes <= set(parts):
+
+        def parts() -> dict[str, Any]:
+            found = {}
+            for p in (partial / PARTS).glob("*.json"):
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                    doc = json.loads(p.read_bytes())
+                    if _save_of(doc["files"]) == this_save:  # a part of an earlier save waits for its node
+                        found[p.stem] = doc
+            return found
+
+        if not nodes <= set(parts()):
             return
-        try:
-            fd = os.open(partial / COMMIT_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        except FileNotFoundError:
-            return  # another node published it a moment ago
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if not partial.exists() or not (partial / PARTS).exists():
+        with self._root_lock(fcntl.LOCK_EX):
+            found = parts()  # again: another node may have published it (the folder is gone) while this one waited
+            if not partial.is_dir() or not nodes <= set(found):
                 return
             records: dict[str, store.FileRecord] = {}
-            for part in parts.values():
+            for part in found.values():
                 for f in part["files"]:
                     rec = _record(f)
                     if records.setdefault(rec.name, rec) != rec:
@@ -384,16 +396,25 @@ class Replicator:
             extra["tier"] = "durable"
             store.publish(partial, step, manifest.world_size, list(records.values()), extra,
                           manifest.checksum_algorithm)
-        finally:
-            os.close(fd)
         self.announce(f"step {step} is in the durable tier ({len(nodes)} node(s)' parts)", None)
         self._durable_retention()
 
     def _durable_retention(self) -> None:
         """`keep` durable checkpoints; partials older than the newest valid one go unless a writer holds them."""
-        plan = retention.plan(self.durable_root, store.scan(self.durable_root), self.keep, owner_alive=True)
-        if plan.remove:
-            retention.apply(plan)
+        with self._root_lock(fcntl.LOCK_EX):  # a partial it finds unheld is not entered while it goes
+            plan = retention.plan(self.durable_root, store.scan(self.durable_root), self.keep, owner_alive=True)
+            if plan.remove:
+                retention.apply(plan)
+
+    @contextlib.contextmanager
+    def _root_lock(self, mode: int) -> Iterator[None]:
+        self.durable_root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.durable_root / ROOT_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, mode)
+            yield
+        finally:
+            os.close(fd)
 
     # ---- the tiers -----------------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ durable copy."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,67 @@ def test_a_node_done_with_its_parts_waits_briefly_for_another_node_to_publish(tm
     finally:
         b.stop()
 
+
+
+def _waits_for_flock(path: Path) -> bool:
+    """Someone is blocked in flock on `path` (Linux lists a waiter as `->` in /proc/locks)."""
+    try:
+        inode = path.stat().st_ino
+    except FileNotFoundError:
+        return False
+    return any("->" in line and line.split()[6].endswith(f":{inode}")
+               for line in Path("/proc/locks").read_text().splitlines() if "FLOCK" in line)
+
+
+def test_a_node_entering_a_step_while_another_publishes_it_leaves_the_checkpoint_whole(tmp_path, monkeypatch):
+    """Node a's part of step 10 is there (a restarted supervisor queues the step again); node b publishes it at
+    the moment a enters the folder again. Before, a re-created its lock file and `.parts/` in the folder b had
+    cleaned for the rename, and the published step 10 inspected corrupt. Now a waits for the publish and finds
+    the step done."""
+    import threading
+
+    from supervisor import replicate
+
+    for node in NODES:
+        local_checkpoint(tmp_path / f"local-{node}", 10, node)
+    a, b = replicator(tmp_path, "a"), replicator(tmp_path, "b")
+    a._replicate(10)
+    partial = tmp_path / "durable" / store.partial_dirname(10)
+    inside, go = threading.Event(), threading.Event()
+    real_fsync = store.fsync_dir
+
+    def paused_fsync(path):  # publish's first step after it removed the bookkeeping: hold it there
+        if Path(path) == partial:
+            inside.set()
+            assert go.wait(30)
+        real_fsync(path)
+
+    monkeypatch.setattr(store, "fsync_dir", paused_fsync)
+    errors: list[BaseException] = []
+
+    def run(r: Replicator) -> None:
+        try:
+            r._replicate(10)
+        except BaseException as e:  # reported by the assertion below
+            errors.append(e)
+
+    publisher = threading.Thread(target=run, args=(b,))
+    publisher.start()
+    reentry = threading.Thread(target=run, args=(a,))
+    try:
+        assert inside.wait(30)
+        reentry.start()
+        lock = tmp_path / "durable" / replicate.ROOT_LOCK
+        deadline = time.monotonic() + 30
+        while reentry.is_alive() and not _waits_for_flock(lock) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reentry.is_alive(), "node a entered the folder while node b published it"
+    finally:
+        go.set()
+        publisher.join(30)
+        if reentry.ident is not None:
+            reentry.join(30)
+    assert not errors, errors
+    final = store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True)
+    assert final.valid, final.reason
+    assert not partial.exists()
