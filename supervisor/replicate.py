@@ -168,6 +168,8 @@ class Replicator:
         tier that is down does not hold the exit for long); True when everything got its durable copy."""
         deadline = time.monotonic() + timeout_s
         failures = self._failures
+        with contextlib.suppress(OSError), self._lock:  # a commit nobody notified of (its part, if there, is kept)
+            self._queue.update(self._unreplicated())
         while time.monotonic() < deadline and self._failures == failures:
             with self._lock:
                 empty = not self._queue

@@ -326,3 +326,15 @@ def test_a_node_entering_a_step_while_another_publishes_it_leaves_the_checkpoint
     final = store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True)
     assert final.valid, final.reason
     assert not partial.exists()
+
+
+def test_drain_copies_a_local_commit_nobody_notified_of(tmp_path):
+    one_node = {"a": [0, 1]}
+    r = replicator(tmp_path, "a")
+    r.start()
+    try:
+        local_checkpoint(tmp_path / "local-a", 10, "a", one_node)  # committed, never notified
+        assert r.drain(30.0)
+    finally:
+        r.stop()
+    assert store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True).valid
