@@ -7,8 +7,11 @@ Three ways to train the same tiny GPT (2 CPU ranks, gloo, FSDP2, same data, opti
 in turns (A B C C B A ...: this VM drifts by 10-35 % within minutes), each for --steps steps, no checkpoint:
     bare       bench/goodput/baseline_train.py under plain torchrun (no heartbeats, no agreement, no hooks)
     entry      `-m train_entry` under plain torchrun, beating and logging steps as under the supervisor
-    resilient  `resilient run` of `-m train_entry` (heartbeats, the ranks' agreement, the step log, ranks
-               forked from the prewarm server, the supervisor watching)
+    resilient  `resilient run` of `-m train_entry` (heartbeats, the ranks' agreement, the step log, the
+               supervisor watching; the first attempt's ranks start as torchrun starts them)
+    relaunched the same, its first attempt failing at step 5: the second attempt's ranks and launcher are
+               forks of the prewarm server, as after every failure
+    saving     the same as resilient with an async save every 13 steps (`--systems` picks some of these)
 Both log every completed step from rank 0 in the same format; the step time of a trial is its steady mean:
 (t of its last step - t of step 100) / (steps - 100), so the start-up and the first steps are left out, and
 pauses (garbage collection, the heartbeat thread) are counted. The tax is resilient's mean over bare's,
@@ -88,22 +91,40 @@ def entry(folder: Path, steps: int) -> tuple[float, float]:
     return steady_mean(log, steps)
 
 
-def resilient(folder: Path, steps: int) -> tuple[float, float]:
+def resilient(folder: Path, steps: int, *, relaunch: bool = False, every: int = 1000000000) -> tuple[float, float]:
     run_dir = folder / "run"
+    fault = ', "--test-die-at-step", "5", "--test-attempts", "1"' if relaunch else ""
     run([sys.executable, "-m", "supervisor", "run", str(REPO / "jobs" / "tiny-cpu.yaml"), "--run-dir", str(run_dir),
-         "--set", f'entrypoint.args=["--steps", "{steps}", "--device", "cpu"]',
-         "--set", "checkpoint.interval_steps=1000000000"], folder, timeout=steps * 0.5 + 120)
-    return steady_mean(run_dir / "steps" / "attempt_1.jsonl", steps)
+         "--set", f'entrypoint.args=["--steps", "{steps}", "--device", "cpu"{fault}]',
+         "--set", f"checkpoint.interval_steps={every}"], folder, timeout=steps * 0.5 + 120)
+    return steady_mean(run_dir / "steps" / f"attempt_{2 if relaunch else 1}.jsonl", steps)
+
+
+def relaunched(folder: Path, steps: int) -> tuple[float, float]:
+    """As `resilient`, but its first attempt fails at step 5 and the steps are those of the second: ranks forked
+    from the prewarm server by a launcher forked from it, as every attempt after a failure is."""
+    return resilient(folder, steps, relaunch=True)
+
+
+def saving(folder: Path, steps: int) -> tuple[float, float]:
+    """As `resilient`, with an async save every 13 steps (what `auto` chose in the goodput benchmark): the steady
+    mean then holds the saves' blocking and the slowdown of the steps beside their persists."""
+    return resilient(folder, steps, every=13)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--systems", default="bare,entry,resilient,relaunched")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "step_tax.json")
     args = p.parse_args()
-    rows: dict[str, list[tuple[float, float]]] = {"bare": [], "entry": [], "resilient": []}
-    systems = (("bare", bare), ("entry", entry), ("resilient", resilient))
+    known = {"bare": bare, "entry": entry, "resilient": resilient, "relaunched": relaunched, "saving": saving}
+    chosen = args.systems.split(",")
+    if "bare" not in chosen or not set(chosen) <= set(known):
+        p.error(f"--systems: some of {', '.join(known)}, bare among them (the tax is measured against it)")
+    systems = tuple((name, known[name]) for name in chosen)
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory(prefix="resilient-step-tax-") as tmp:
         for trial in range(args.trials):
             for name, fn in systems[:: 1 if trial % 2 == 0 else -1]:
@@ -117,7 +138,7 @@ def main() -> int:
     means = {k: statistics.mean(m for m, _ in v) for k, v in rows.items()}
     out: dict = {"steps": args.steps, "trials": rows, "mean_step_s": means}
     print()
-    for name in ("entry", "resilient"):
+    for name in (n for n in chosen if n != "bare"):
         pairs = [r / b - 1 for (b, _), (r, _) in zip(rows["bare"], rows[name], strict=True)]
         out[name] = {"tax_ms": (means[name] - means["bare"]) * 1e3, "tax": means[name] / means["bare"] - 1,
                      "tax_per_trial": pairs}
