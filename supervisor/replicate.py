@@ -111,11 +111,42 @@ def _record(d: dict[str, Any]) -> store.FileRecord:
     return store.FileRecord(d["name"], int(d["size"]), d["checksum"])
 
 
+def _identity(path: Path) -> list[int] | None:
+    """Which file `path` is now (a replaced file is another inode): what a part records, and the publish checks."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
 def _read_part(path: Path) -> list[Any]:
     try:
         return json.loads(path.read_bytes())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
+
+
+@contextlib.contextmanager
+def root_lock(root: Path, mode: int, *, create: bool = True) -> Iterator[bool]:
+    """`root`'s replication lock in `mode` (fcntl.LOCK_SH / LOCK_EX, with LOCK_NB: yields False when busy).
+    Without `create`, a root that has none (no tiered run replicates into it) yields True, unlocked."""
+    try:
+        fd = os.open(root / ROOT_LOCK, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+    except FileNotFoundError:
+        if create:
+            raise
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, mode)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
 
 
 def yield_to_training() -> None:
@@ -168,8 +199,10 @@ class Replicator:
         tier that is down does not hold the exit for long); True when everything got its durable copy."""
         deadline = time.monotonic() + timeout_s
         failures = self._failures
-        with contextlib.suppress(OSError), self._lock:  # a commit nobody notified of (its part, if there, is kept)
-            self._queue.update(self._unreplicated())
+        with contextlib.suppress(OSError):  # a commit nobody notified of (its part, if there, is kept)
+            unreplicated = self._unreplicated()  # the scans outside the lock the thread needs
+            with self._lock:
+                self._queue.update(unreplicated)
         while time.monotonic() < deadline and self._failures == failures:
             with self._lock:
                 empty = not self._queue
@@ -202,7 +235,7 @@ class Replicator:
                 self._local_retention(spares=False)
                 self._refresh()
             with contextlib.suppress(Exception):  # a skipped step's partial another node's publish had to spare
-                self._durable_retention()
+                self._durable_retention(wait=False)  # on the way out: not behind another node's lock
             with contextlib.suppress(OSError):  # no save will write over them now: their memory goes back
                 store.drop_spares(self.local_root)
 
@@ -301,7 +334,8 @@ class Replicator:
         final = self.durable_root / store.step_dirname(step)
         partial = self.durable_root / store.partial_dirname(step)
         mine = partial / PARTS / f"{self.node}.json"
-        with self._root_lock(fcntl.LOCK_SH):  # the partial as it was before a publish or a removal, or none
+        self.durable_root.mkdir(parents=True, exist_ok=True)
+        with root_lock(self.durable_root, fcntl.LOCK_SH):  # the partial as before a publish or a removal, or none
             if store.inspect(final).valid if final.is_dir() else False:
                 return  # another node completed it
             if step < max(self._durable_valid(), default=-1):
@@ -323,25 +357,34 @@ class Replicator:
         try:
             for stale in partial.glob(f".*.{self.node}.tmp"):  # this node's copy cut short by a crash
                 stale.unlink(missing_ok=True)
-            if copy:  # no publish can take the folder away before this part is there
-                t0, copied = time.monotonic(), 0
-                for i, rec in enumerate(manifest.files):
-                    copied += self._copy_verified(local / rec.name, partial / rec.name, rec,
-                                                  manifest.checksum_algorithm)
-                    if i == 0 and self._pause:
-                        log.warning("test hook: pausing %.1fs inside the replication of step %d", self._pause, step)
-                        time.sleep(self._pause)
-                fsync_dir(partial)
-                (partial / PARTS).mkdir(exist_ok=True)
-                doc = {"node": self.node, "files": [f.to_dict() for f in manifest.files], "at": time.time(),
-                       "world_size": manifest.world_size, "nodes": manifest.extra.get("nodes", [self.node])}
-                atomic_write_bytes(mine, json.dumps(doc).encode(), durable=True)
-                self.state.bytes_copied += copied
-                self.state.seconds_copying += time.monotonic() - t0
-                self.state.replicated += 1
-            self._try_commit(step, partial, manifest)
+            for _ in range(2):  # again, once, if the publish finds a file of this part changed since
+                if copy:  # no publish can take the folder away before this part is there
+                    self._copy_part(step, local, partial, mine, manifest)
+                if not self._try_commit(step, partial, manifest):
+                    break
+                copy = True
         finally:
             os.close(live)
+
+    def _copy_part(self, step: int, local: Path, partial: Path, mine: Path, manifest: store.Manifest) -> None:
+        """Copy (or find whole) every file of this node's local checkpoint, then write its part, which names
+        each file it vouches for with the identity it had then (inode, size, mtime): the publish checks them."""
+        t0, copied, ids = time.monotonic(), 0, {}
+        for i, rec in enumerate(manifest.files):
+            dest = partial / rec.name
+            copied += self._copy_verified(local / rec.name, dest, rec, manifest.checksum_algorithm)
+            ids[rec.name] = _identity(dest)
+            if i == 0 and self._pause:
+                log.warning("test hook: pausing %.1fs inside the replication of step %d", self._pause, step)
+                time.sleep(self._pause)
+        fsync_dir(partial)
+        (partial / PARTS).mkdir(exist_ok=True)
+        doc = {"node": self.node, "files": [f.to_dict() for f in manifest.files], "ids": ids, "at": time.time(),
+               "world_size": manifest.world_size, "nodes": manifest.extra.get("nodes", [self.node])}
+        atomic_write_bytes(mine, json.dumps(doc).encode(), durable=True)
+        self.state.bytes_copied += copied
+        self.state.seconds_copying += time.monotonic() - t0
+        self.state.replicated += 1
 
     def _copy_verified(self, src: Path, dest: Path, rec: store.FileRecord, algorithm: str) -> int:
         """Copy `src` to `dest` through a temp name, checksummed while copied; returns the bytes copied (0 when
@@ -368,8 +411,9 @@ class Replicator:
         os.replace(tmp, dest)
         return rec.size
 
-    def _try_commit(self, step: int, partial: Path, manifest: store.Manifest) -> None:
-        """Publish the durable checkpoint if every node of the save has its part there (one node does)."""
+    def _try_commit(self, step: int, partial: Path, manifest: store.Manifest) -> bool:
+        """Publish the durable checkpoint if every node of the save has its part there (one node does). True
+        when this node's part was dropped because one of its files changed after it was verified."""
         nodes = set(manifest.extra.get("nodes") or [self.node])
         this_save = _save_of(manifest.files)
 
@@ -383,11 +427,22 @@ class Replicator:
             return found
 
         if not nodes <= set(parts()):
-            return
-        with self._root_lock(fcntl.LOCK_EX):
+            return False
+        with root_lock(self.durable_root, fcntl.LOCK_EX):
             found = parts()  # again: another node may have published it (the folder is gone) while this one waited
             if not partial.is_dir() or not nodes <= set(found):
-                return
+                return False
+            # A node copying another save of this step number (its local tier held an older one) may have
+            # replaced a file after a node of this save verified it: the file is no longer the one vouched for.
+            changed = {node: names for node, doc in found.items()
+                       if (names := [n for n, i in (doc.get("ids") or {}).items() if _identity(partial / n) != i])}
+            if changed:
+                for node, names in changed.items():
+                    (partial / PARTS / f"{node}.json").unlink(missing_ok=True)
+                    log.warning("step %d: %s changed in the durable tier after node %s verified it (a copy of "
+                                "another save of that step?); its part is dropped and the step not published "
+                                "until it is copied again", step, ", ".join(sorted(names)), node)
+                return self.node in changed
             records: dict[str, store.FileRecord] = {}
             for part in found.values():
                 for f in part["files"]:
@@ -399,24 +454,25 @@ class Replicator:
             store.publish(partial, step, manifest.world_size, list(records.values()), extra,
                           manifest.checksum_algorithm)
         self.announce(f"step {step} is in the durable tier ({len(nodes)} node(s)' parts)", None)
-        self._durable_retention()
-
-    def _durable_retention(self) -> None:
-        """`keep` durable checkpoints; partials older than the newest valid one go unless a writer holds them."""
-        with self._root_lock(fcntl.LOCK_EX):  # a partial it finds unheld is not entered while it goes
-            plan = retention.plan(self.durable_root, store.scan(self.durable_root), self.keep, owner_alive=True)
-            if plan.remove:
-                retention.apply(plan)
-
-    @contextlib.contextmanager
-    def _root_lock(self, mode: int) -> Iterator[None]:
-        self.durable_root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.durable_root / ROOT_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, mode)
-            yield
-        finally:
-            os.close(fd)
+            self._durable_retention()
+        except OSError as e:  # the step is published: this is no failed copy, and the next publish tries again
+            log.warning("durable retention after step %d: %s", step, e)
+        return False
+
+    def _durable_retention(self, *, wait: bool = True) -> None:
+        """`keep` durable checkpoints; partials older than the newest valid one go unless a writer holds them.
+        Under the lock (no node enters a partial it finds unheld) the folders are only renamed aside; they are
+        deleted after it, so that a slow filesystem's deletes hold up no node's entry or publish."""
+        if not self.durable_root.is_dir():
+            return
+        with root_lock(self.durable_root, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB)) as held:
+            if not held:
+                return
+            plan = retention.plan(self.durable_root, store.scan(self.durable_root), self.keep, owner_alive=True)
+            plan = retention.set_aside(plan)
+        if plan.remove:
+            retention.apply(plan)
 
     # ---- the tiers -----------------------------------------------------------------------------------------
 

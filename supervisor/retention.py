@@ -14,7 +14,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from supervisor import store
@@ -146,6 +146,27 @@ def _remove(r: Removal, spare_bytes: int = 0) -> str | None:
     first = errors[0] if errors else "it is still there"
     where = f"moved aside to {path.name}, " if path != r.path else ""
     return f"{where}{len(errors) or 1} entr{'y' if len(errors) <= 1 else 'ies'} could not be deleted ({first})"
+
+
+def set_aside(p: Plan) -> Plan:
+    """Rename each folder of the plan aside (the first step of its deletion, atomic and quick); the plan returned
+    names them there, for `apply` to delete later. One that cannot be renamed keeps its name: `apply` tries
+    again and reports why."""
+    moved = []
+    for r in p.remove:
+        if r.path.name.startswith(store.TRASH_PREFIX):
+            moved.append(r)
+            continue
+        aside = r.path.parent / f"{store.TRASH_PREFIX}{r.path.name}.{time.time_ns()}"
+        try:
+            os.rename(r.path, aside)
+        except FileNotFoundError:
+            continue  # someone else removed it
+        except OSError:
+            moved.append(r)
+        else:
+            moved.append(replace(r, path=aside))
+    return Plan(p.kept, moved, p.spared)
 
 
 def apply(p: Plan, *, spare_bytes: int = 0) -> Applied:
