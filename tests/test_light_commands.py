@@ -289,3 +289,27 @@ def test_gc_deletes_a_finished_runs_spare_files_and_leaves_a_live_runs(tmp_path,
     assert [(Path(x["path"]).name, x["size_bytes"]) for x in doc["removed"]] == [(store.SPARE_DIR, 8192)]
     assert "deleted checkpoints" in doc["removed"][0]["why"]
     assert sorted(p.name for p in root.iterdir()) == ["step_000000001"]
+
+
+def test_gc_waits_for_the_replication_lock_and_removes_nothing_while_a_node_holds_it(tmp_path, cli, monkeypatch):
+    """A durable tier the nodes' supervisors replicate into: gc judges and deletes only while it holds their
+    lock (a node entering a partial gc found unheld, or a publish that has dropped the partial's writer lock,
+    would otherwise lose its folder). While a node holds it, gc waits, then says so and removes nothing."""
+    import fcntl
+
+    from supervisor.commands import gc
+    from supervisor.replicate import ROOT_LOCK
+
+    for s in (1, 2, 3):
+        write_checkpoint(tmp_path, s)
+    monkeypatch.setattr(gc, "LOCK_WAIT_S", 0.3)
+    fd = os.open(tmp_path / ROOT_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a node inside its entry into a partial
+        r = cli("gc", tmp_path, "--keep", "1")
+        assert r.exit_code == 1 and "replication lock" in r.stderr and "nothing was removed" in r.stderr
+        assert len([n for n in os.listdir(tmp_path) if n.startswith("step_")]) == 3
+    finally:
+        os.close(fd)
+    r = cli("gc", tmp_path, "--keep", "1")
+    assert r.exit_code == 0 and sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == ["step_000000003"]

@@ -7,14 +7,20 @@ write is a usage error (exit 2) before anything is touched.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from supervisor import layout, lock, render, retention, store, targets
-from supervisor.errors import ExitCode, UsageError
+from supervisor.errors import ExitCode, ResilientError, UsageError
 from supervisor.fsutil import write_problem
-from supervisor.replicate import split_unreplicated
+from supervisor.replicate import root_lock, split_unreplicated
+
+LOCK_WAIT_S = 10.0  # how long gc waits for the nodes' supervisors to leave a durable root's replication lock
 
 UNREPLICATED = "no durable copy yet: the supervisor is still copying it, or the durable tier failed"
 
@@ -99,6 +105,32 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local
             render.err.print(f"resilient: {note}", markup=False, soft_wrap=True)
     else:
         render.out.print(note, markup=False, soft_wrap=True)
+    with contextlib.ExitStack() as held:
+        if root is not None and not dry_run:
+            held.enter_context(_replication_paused(root))
+        return _collect(t, root, keep, dry_run, as_json, keep_local)
+
+
+@contextlib.contextmanager
+def _replication_paused(root: Path) -> Iterator[None]:
+    """A durable tier the nodes' supervisors replicate into: hold their lock while gc judges and deletes, so
+    that no node enters a partial gc found unheld, and no publish is under way (it drops the partial's writer
+    lock before its rename). Brief for them: a node holds it to enter a partial or to publish one."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        with root_lock(root, fcntl.LOCK_EX | fcntl.LOCK_NB, create=False) as free:
+            if free:
+                yield
+                return
+        if time.monotonic() >= deadline:
+            raise ResilientError(f"{root}: the nodes' supervisors kept its replication lock "
+                                 f"({root / '.replication.lock'}) for {LOCK_WAIT_S:.0f}s; nothing was removed. "
+                                 "Run gc again in a moment.")
+        time.sleep(0.1)
+
+
+def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_json: bool,
+             keep_local: int | None) -> int:
     infos = store.scan(root, quarantined=True) if root is not None else []
     plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=owner_alive(t.run_dir))
     local = []
