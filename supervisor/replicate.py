@@ -120,6 +120,25 @@ def _identity(path: Path) -> list[int] | None:
     return [st.st_ino, st.st_size, st.st_mtime_ns]
 
 
+def _replaced(partial: Path, part: dict[str, Any], sums: dict[str, str | None], algorithm: str) -> list[str]:
+    """The files of `part` in `partial` that are no longer those its node verified: another file now (inode,
+    size, mtime) with other bytes. `sums` keeps the checksums read, for the other parts."""
+    ids = part.get("ids") or {}  # a part written before parts recorded them: nothing to compare
+    out = []
+    for f in part["files"]:
+        name = f["name"]
+        if name not in ids or _identity(partial / name) == ids[name]:
+            continue
+        if name not in sums:
+            try:
+                sums[name] = store.checksum_file(partial / name, algorithm)
+            except OSError:
+                sums[name] = None
+        if sums[name] != f["checksum"]:
+            out.append(name)
+    return out
+
+
 def _read_part(path: Path) -> list[Any]:
     try:
         return json.loads(path.read_bytes())["files"]
@@ -169,6 +188,7 @@ class Replicator:
         self.announce = announce or (lambda text, style: log.info("%s", text))
         self.state = ReplicationState(str(self.local_root), str(self.durable_root))
         self._queue: set[int] = set()
+        self._handled: set[int] = set()  # steps this process copied, found copied or skipped as superseded
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -199,10 +219,10 @@ class Replicator:
         tier that is down does not hold the exit for long); True when everything got its durable copy."""
         deadline = time.monotonic() + timeout_s
         failures = self._failures
-        with contextlib.suppress(OSError):  # a commit nobody notified of (its part, if there, is kept)
+        with contextlib.suppress(OSError):  # a commit nobody notified of
             unreplicated = self._unreplicated()  # the scans outside the lock the thread needs
             with self._lock:
-                self._queue.update(unreplicated)
+                self._queue.update(set(unreplicated) - self._handled)
         while time.monotonic() < deadline and self._failures == failures:
             with self._lock:
                 empty = not self._queue
@@ -299,8 +319,11 @@ class Replicator:
             superseded = sorted(s for s in self._queue if s < newest)
             self._queue.difference_update(superseded)
             self.state.superseded += sum(  # steps start() re-queued with their part there were copied
+                s not in self._handled and
                 not (self.durable_root / store.partial_dirname(s) / PARTS / f"{self.node}.json").exists()
                 for s in superseded)
+            self._handled.add(step)
+            self._handled.update(superseded)
         if superseded:
             log.info("not copying local step(s) %s to the durable tier: step %d is there, newer", superseded, newest)
 
@@ -433,9 +456,11 @@ class Replicator:
             if not partial.is_dir() or not nodes <= set(found):
                 return False
             # A node copying another save of this step number (its local tier held an older one) may have
-            # replaced a file after a node of this save verified it: the file is no longer the one vouched for.
+            # replaced a file after a node of this save verified it. A file that is not the one a part vouched
+            # for is read again: two nodes copying a shared file at once replace it with the same bytes.
+            sums: dict[str, str | None] = {}
             changed = {node: names for node, doc in found.items()
-                       if (names := [n for n, i in (doc.get("ids") or {}).items() if _identity(partial / n) != i])}
+                       if (names := _replaced(partial, doc, sums, manifest.checksum_algorithm))}
             if changed:
                 for node, names in changed.items():
                     (partial / PARTS / f"{node}.json").unlink(missing_ok=True)

@@ -366,3 +366,21 @@ def test_a_file_replaced_by_a_copy_of_another_save_after_it_was_verified_is_neve
     for node, name in (("b", "__2_0.distcp"), ("a", "__0_0.distcp"), ("b", ".metadata")):
         assert (final / name).read_bytes() == (tmp_path / f"local-{node}" / store.step_dirname(20) / name).read_bytes()
     assert not list((tmp_path / "durable").glob(".trash.*"))
+
+
+def test_two_nodes_copying_a_shared_file_at_once_still_publish(tmp_path):
+    """Both nodes copy the shared files (metadata, the ranks' small files); when they do so at the same moment,
+    the second rename replaces the first node's file with the same bytes after the first node vouched for it.
+    The publish reads such a file again and finds it whole: no part is dropped."""
+    for node in NODES:
+        local_checkpoint(tmp_path / f"local-{node}", 10, node)
+    a, b = replicator(tmp_path, "a"), replicator(tmp_path, "b")
+    a._replicate(10)
+    partial = tmp_path / "durable" / store.partial_dirname(10)
+    for name in (".metadata", "__0_1.distcp"):  # b's copies, renamed over a's
+        tmp = partial / f".{name}.b.tmp"
+        shutil.copyfile(partial / name, tmp)
+        tmp.replace(partial / name)
+    b._replicate(10)
+    info = store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True)
+    assert info.valid, info.reason
