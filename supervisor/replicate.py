@@ -219,10 +219,10 @@ class Replicator:
         tier that is down does not hold the exit for long); True when everything got its durable copy."""
         deadline = time.monotonic() + timeout_s
         failures = self._failures
-        with contextlib.suppress(OSError):  # a commit nobody notified of
+        with contextlib.suppress(OSError):  # a commit nobody notified of, or a part a publish dropped
             unreplicated = self._unreplicated()  # the scans outside the lock the thread needs
             with self._lock:
-                self._queue.update(set(unreplicated) - self._handled)
+                self._queue.update(s for s in unreplicated if s not in self._handled or not self._part(s).exists())
         while time.monotonic() < deadline and self._failures == failures:
             with self._lock:
                 empty = not self._queue
@@ -319,13 +319,15 @@ class Replicator:
             superseded = sorted(s for s in self._queue if s < newest)
             self._queue.difference_update(superseded)
             self.state.superseded += sum(  # steps start() re-queued with their part there were copied
-                s not in self._handled and
-                not (self.durable_root / store.partial_dirname(s) / PARTS / f"{self.node}.json").exists()
-                for s in superseded)
+                s not in self._handled and not self._part(s).exists() for s in superseded)
             self._handled.add(step)
             self._handled.update(superseded)
         if superseded:
             log.info("not copying local step(s) %s to the durable tier: step %d is there, newer", superseded, newest)
+
+    def _part(self, step: int) -> Path:
+        """This node's part of `step` in the durable tier, while that is a partial."""
+        return self.durable_root / store.partial_dirname(step) / PARTS / f"{self.node}.json"
 
     def _failed(self, step: int, error: Exception) -> None:
         self._failures += 1

@@ -345,22 +345,30 @@ def test_a_file_replaced_by_a_copy_of_another_save_after_it_was_verified_is_neve
     b copies the new save (b: 2, 3) and vouches for it; then a copies its old save over b's shard files. When a
     has the new save and copies it, both parts are of the same save, but b's shards on disk are a's old bytes
     (of the same size): publishing would make a checkpoint whose manifest its files do not match. The publish
-    finds b's files replaced since b verified them, drops b's part, and publishes once b has copied again."""
+    finds b's files replaced since b verified them, drops b's part, and publishes once b has copied again (at
+b's exit: a dropped part brings its step back into the queue)."""
     old = {"a": [2, 3], "b": [0, 1]}
     new = {"a": [0, 1], "b": [2, 3]}
     local_checkpoint(tmp_path / "local-b", 20, "b", new, salt="-new")
     local_checkpoint(tmp_path / "local-a", 20, "a", old, salt="-old")  # the same sizes: a size check passes
     a, b = replicator(tmp_path, "a"), replicator(tmp_path, "b")
-    b._replicate(20)
-    a._replicate(20)  # the old save, over b's shards and the shared files
-    shutil.rmtree(tmp_path / "local-a")
-    local_checkpoint(tmp_path / "local-a", 20, "a", new, salt="-new")
-    a._replicate(20)  # its part of the new save: the two parts agree, but b's files are not b's any more
-    final = tmp_path / "durable" / store.step_dirname(20)
-    partial = tmp_path / "durable" / store.partial_dirname(20)
-    assert not final.exists()
-    assert not (partial / PARTS / "b.json").exists() and (partial / PARTS / "a.json").exists()
-    b._replicate(20)
+    b.start()  # copies its part of 20, which then waits for a's
+    try:
+        deadline = time.monotonic() + 30
+        while not (20 in b._handled and b._part(20).exists()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b._part(20).exists()
+        a._replicate(20)  # the old save, over b's shards and the shared files
+        shutil.rmtree(tmp_path / "local-a")
+        local_checkpoint(tmp_path / "local-a", 20, "a", new, salt="-new")
+        a._replicate(20)  # its part of the new save: the two parts agree, but b's files are not b's any more
+        final = tmp_path / "durable" / store.step_dirname(20)
+        partial = tmp_path / "durable" / store.partial_dirname(20)
+        assert not final.exists()
+        assert not (partial / PARTS / "b.json").exists() and (partial / PARTS / "a.json").exists()
+        assert b.drain(30)  # b's exit finds its part dropped and copies it again
+    finally:
+        b.stop()
     info = store.inspect(final, deep=True)
     assert info.valid, info.reason
     for node, name in (("b", "__2_0.distcp"), ("a", "__0_0.distcp"), ("b", ".metadata")):
