@@ -216,13 +216,15 @@ class Replicator:
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until nothing is queued, `timeout_s` passed, or a copy failed once more while waiting (a durable
-        tier that is down does not hold the exit for long); True when everything got its durable copy."""
+        tier that is down does not hold the exit for long); True when this node's part of every local
+        checkpoint newer than the durable tier's newest is there (the other nodes' may still be missing)."""
         deadline = time.monotonic() + timeout_s
         failures = self._failures
         with contextlib.suppress(OSError):  # a commit nobody notified of, or a part a publish dropped
-            unreplicated = self._unreplicated()  # the scans outside the lock the thread needs
+            # the scans outside the lock the thread needs (`_handled` only grows: a stale read re-queues no more)
+            again = [s for s in self._unreplicated() if s not in self._handled or not self._part(s).exists()]
             with self._lock:
-                self._queue.update(s for s in unreplicated if s not in self._handled or not self._part(s).exists())
+                self._queue.update(again)
         while time.monotonic() < deadline and self._failures == failures:
             with self._lock:
                 empty = not self._queue
@@ -396,9 +398,9 @@ class Replicator:
         each file it vouches for with the identity it had then (inode, size, mtime): the publish checks them."""
         t0, copied, ids = time.monotonic(), 0, {}
         for i, rec in enumerate(manifest.files):
-            dest = partial / rec.name
-            copied += self._copy_verified(local / rec.name, dest, rec, manifest.checksum_algorithm)
-            ids[rec.name] = _identity(dest)
+            n, ids[rec.name] = self._copy_verified(local / rec.name, partial / rec.name, rec,
+                                                   manifest.checksum_algorithm)
+            copied += n
             if i == 0 and self._pause:
                 log.warning("test hook: pausing %.1fs inside the replication of step %d", self._pause, step)
                 time.sleep(self._pause)
@@ -409,13 +411,18 @@ class Replicator:
         atomic_write_bytes(mine, json.dumps(doc).encode(), durable=True)
         self.state.bytes_copied += copied
         self.state.seconds_copying += time.monotonic() - t0
-        self.state.replicated += 1
+        if step not in self._handled:  # copied again (its part dropped) it counts once
+            self.state.replicated += 1
 
-    def _copy_verified(self, src: Path, dest: Path, rec: store.FileRecord, algorithm: str) -> int:
+    def _copy_verified(self, src: Path, dest: Path, rec: store.FileRecord,
+                       algorithm: str) -> tuple[int, list[int] | None]:
         """Copy `src` to `dest` through a temp name, checksummed while copied; returns the bytes copied (0 when
-        `dest` was already there, whole: another node's copy of a shared file, or an earlier try's)."""
-        if dest.exists() and dest.stat().st_size == rec.size and store.checksum_file(dest, algorithm) == rec.checksum:
-            return 0
+        `dest` was already there, whole: another node's copy of a shared file, or an earlier try's) and the
+        identity of the file whose bytes were checked (a rename keeps it)."""
+        before = _identity(dest)
+        if before is not None and before[1] == rec.size and store.checksum_file(dest, algorithm) == rec.checksum \
+                and _identity(dest) == before:  # the same file throughout the read: not replaced meanwhile
+            return 0, before
         tmp = dest.with_name(f".{dest.name}.{self.node}.tmp")
         if self._buffer is None:  # one for the replicator's life: fresh pages cost (see store.keep_spare)
             self._buffer = page_aligned_buffer(CHUNK)
@@ -433,8 +440,10 @@ class Replicator:
         if digest != rec.checksum:
             tmp.unlink(missing_ok=True)
             raise ValueError(f"{src} does not match its manifest's checksum: the local copy is damaged")
-        os.replace(tmp, dest)
-        return rec.size
+        ident = _identity(tmp)
+        with root_lock(self.durable_root, fcntl.LOCK_SH):  # never between a publish's checks and its rename
+            os.replace(tmp, dest)
+        return rec.size, ident
 
     def _try_commit(self, step: int, partial: Path, manifest: store.Manifest) -> bool:
         """Publish the durable checkpoint if every node of the save has its part there (one node does). True

@@ -150,8 +150,8 @@ def _remove(r: Removal, spare_bytes: int = 0) -> str | None:
 
 def set_aside(p: Plan) -> Plan:
     """Rename each folder of the plan aside (the first step of its deletion, atomic and quick); the plan returned
-    names them there, for `apply` to delete later. One that cannot be renamed keeps its name: `apply` tries
-    again and reports why."""
+    names them there, for `apply` to delete later. One that cannot be renamed is left out: the next retention
+    tries again (deleting it later, outside the caller's lock, could take a folder someone has entered since)."""
     moved = []
     for r in p.remove:
         if r.path.name.startswith(store.TRASH_PREFIX):
@@ -160,10 +160,8 @@ def set_aside(p: Plan) -> Plan:
         aside = r.path.parent / f"{store.TRASH_PREFIX}{r.path.name}.{time.time_ns()}"
         try:
             os.rename(r.path, aside)
-        except FileNotFoundError:
-            continue  # someone else removed it
-        except OSError:
-            moved.append(r)
+        except OSError:  # gone already, or not renamable now
+            continue
         else:
             moved.append(replace(r, path=aside))
     return Plan(p.kept, moved, p.spared)
