@@ -377,7 +377,7 @@ class Replicator:
                     log.warning("step %d: this node's part in the durable tier is from an earlier save of that "
                                 "step; copying this one", step)
                     mine.unlink()
-                copy = not mine.exists()  # if it is there, only a publish can remove it, and that once this is out
+                copy = not mine.exists()  # if it is there, only a publish (or its check) removes it, once this is out
             except BaseException:
                 os.close(live)
                 raise
