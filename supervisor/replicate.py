@@ -489,6 +489,9 @@ class Replicator:
             extra["tier"] = "durable"
             store.publish(partial, step, manifest.world_size, list(records.values()), extra,
                           manifest.checksum_algorithm)
+        with self._lock:  # what status and the exit see, before this step leaves the queue
+            if self.state.newest_durable is None or step > self.state.newest_durable:
+                self.state.newest_durable, self.state.newest_durable_at = step, time.time()
         self.announce(f"step {step} is in the durable tier ({len(nodes)} node(s)' parts)", None)
         try:
             self._durable_retention()

@@ -122,7 +122,9 @@ class Supervisor:
         """Before leaving: the local checkpoints not yet in the durable tier get their copy (bounded: a stop
         within the job's stop timeout; otherwise REPLICATION_DRAIN_S)."""
         assert self.replicator is not None
-        pending = self.replicator.snapshot()["pending"]
+        snap = self.replicator.snapshot()
+        durable = snap["newest_durable"] if snap["newest_durable"] is not None else -1
+        pending = [s for s in snap["pending"] if s > durable]  # a step just published leaves the queue a moment later
         if pending:
             self.console.event(f"copying local step(s) {pending} to the durable tier before exiting")
         limit = self.cfg.stop_timeout_s if self._stop_signal is not None else REPLICATION_DRAIN_S
