@@ -360,7 +360,7 @@ class Replicator:
         assert manifest is not None
         final = self.durable_root / store.step_dirname(step)
         partial = self.durable_root / store.partial_dirname(step)
-        mine = partial / PARTS / f"{self.node}.json"
+        mine = self._part(step)
         self.durable_root.mkdir(parents=True, exist_ok=True)
         with root_lock(self.durable_root, fcntl.LOCK_SH):  # the partial as before a publish or a removal, or none
             if store.inspect(final).valid if final.is_dir() else False:

@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -120,7 +119,7 @@ def _remove(r: Removal, spare_bytes: int = 0) -> str | None:
     `spare_bytes`, its data files go to the root's spare pool first (store.keep_spare), up to that many bytes."""
     path = r.path
     if not path.name.startswith(store.TRASH_PREFIX):
-        aside = path.parent / f"{store.TRASH_PREFIX}{path.name}.{time.time_ns()}"
+        aside = store.aside_path(path)
         try:
             os.rename(path, aside)
         except FileNotFoundError:
@@ -157,7 +156,7 @@ def set_aside(p: Plan) -> Plan:
         if r.path.name.startswith(store.TRASH_PREFIX):
             moved.append(r)
             continue
-        aside = r.path.parent / f"{store.TRASH_PREFIX}{r.path.name}.{time.time_ns()}"
+        aside = store.aside_path(r.path)
         try:
             os.rename(r.path, aside)
         except OSError:  # gone already, or not renamable now

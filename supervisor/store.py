@@ -369,7 +369,7 @@ def publish(partial: Path, step: int, world_size: int, records: Sequence[FileRec
     if final.exists():
         # An older attempt's folder for the same step (invalid, or superseded after a rollback):
         # move it aside first so the rename below is atomic, then drop it.
-        trash = root / f"{TRASH_PREFIX}{final.name}.{time.time_ns()}"
+        trash = aside_path(final)
         os.rename(final, trash)
         os.rename(partial, final)
         fsync_dir(root)
@@ -573,6 +573,11 @@ def checkpoint_dirs(root: str | os.PathLike, *, quarantined: bool = False) -> li
         if kind is not None and e.is_dir(follow_symlinks=False):
             found.append((int(e.name[5:14]), kind, e.name, root / e.name))
     return [p for *_, p in sorted(found)]
+
+
+def aside_path(folder: Path) -> Path:
+    """Where `folder` is renamed before it is deleted: beside it, under a name no scan takes for a checkpoint."""
+    return folder.parent / f"{TRASH_PREFIX}{folder.name}.{time.time_ns()}"
 
 
 def trash_dirs(root: str | os.PathLike) -> list[Path]:

@@ -18,7 +18,7 @@ from typing import Any
 from supervisor import layout, lock, render, retention, store, targets
 from supervisor.errors import ExitCode, ResilientError, UsageError
 from supervisor.fsutil import write_problem
-from supervisor.replicate import root_lock, split_unreplicated
+from supervisor.replicate import ROOT_LOCK, root_lock, split_unreplicated
 
 LOCK_WAIT_S = 10.0  # how long gc waits for the nodes' supervisors to leave a durable root's replication lock
 
@@ -105,9 +105,7 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local
             render.err.print(f"resilient: {note}", markup=False, soft_wrap=True)
     else:
         render.out.print(note, markup=False, soft_wrap=True)
-    with contextlib.ExitStack() as held:
-        if root is not None and not dry_run:
-            held.enter_context(_replication_paused(root))
+    with _replication_paused(root) if root is not None and not dry_run else contextlib.nullcontext():
         return _collect(t, root, keep, dry_run, as_json, keep_local)
 
 
@@ -124,7 +122,7 @@ def _replication_paused(root: Path) -> Iterator[None]:
                 return
         if time.monotonic() >= deadline:
             raise ResilientError(f"{root}: the nodes' supervisors kept its replication lock "
-                                 f"({root / '.replication.lock'}) for {LOCK_WAIT_S:.0f}s; nothing was removed. "
+                                 f"({root / ROOT_LOCK}) for {LOCK_WAIT_S:.0f}s; nothing was removed. "
                                  "Run gc again in a moment.")
         time.sleep(0.1)
 
