@@ -124,13 +124,16 @@ class Attempt:
                 next_scan = now + DISK_SCAN_S
                 self._scan_for_commits()
             self._update_ranks(heartbeats, watch, now)
-            if rc is not None:
+            stopping = self.listener.stop_signal() is not None
+            # Slurm signals every process of a job step at once: the ranks may have checkpointed and exited
+            # (75) within the poll in which the supervisor's own signal arrived. That is the stop, not a fault.
+            if rc is not None and not (stopping and rc != 0):
                 return self._ended(rc, handle, heartbeats, watch, oom_before)
+            if stopping:
+                return self._stop(handle, heartbeats, rc)
             failed = self._failed_rank(heartbeats, now)
             if failed is not None and now - self._failed_seen_at >= FAILED_RANK_GRACE_S:
                 return self._take_over(failed, handle, heartbeats, watch, oom_before, now)
-            if self.listener.stop_signal() is not None:
-                return self._stop(handle, heartbeats)
             hangs = watch.hangs(now)
             if hangs:
                 return self._hang(handle, hangs, heartbeats)
@@ -190,13 +193,18 @@ class Attempt:
         self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'})")
         return out
 
-    def _stop(self, handle: AttemptHandle, heartbeats: dict[int, Heartbeat]) -> AttemptOutcome:
-        """The supervisor was asked to stop: the ranks checkpoint at their step and exit."""
+    def _stop(self, handle: AttemptHandle, heartbeats: dict[int, Heartbeat], rc: int | None) -> AttemptOutcome:
+        """The supervisor was asked to stop: the ranks checkpoint at their step and exit (`rc`: torchrun had
+        already exited, the ranks having had the same signal)."""
         name = signal.Signals(self.listener.stop_signal() or signal.SIGTERM).name
-        self.console.event(f"{name}: asking the ranks to checkpoint and stop (up to {self.cfg.stop_timeout_s:.0f}s)",
-                           style="yellow")
-        handle.signal_ranks(signal.SIGTERM)
-        rc = handle.wait(self.cfg.stop_timeout_s + 5)
+        if rc is None:
+            self.console.event(f"{name}: asking the ranks to checkpoint and stop (up to "
+                               f"{self.cfg.stop_timeout_s:.0f}s)", style="yellow")
+            handle.signal_ranks(signal.SIGTERM)
+            rc = handle.wait(self.cfg.stop_timeout_s + 5)
+        else:
+            self.console.event(f"{name}: the ranks had it too and have already stopped (torchrun exited with "
+                               f"{rc})", style="yellow")
         heartbeats = read_heartbeats(self.spec.heartbeat_dir) or heartbeats
         step = max((hb.step for hb in heartbeats.values()), default=self.run_record.step)
         self.run_record.step = step
