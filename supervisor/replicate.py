@@ -53,6 +53,7 @@ PARTS = ".parts"
 ROOT_LOCK = ".replication.lock"  # in the durable root: shared to enter a partial, exclusive to publish or delete
 RETRY_S = (2.0, 5.0, 15.0, 30.0, 60.0)
 PUBLISH_WAIT_S = 20.0  # at exit, how long a node waits for the other nodes' parts of its newest step
+REVISIT_S = 10.0  # how often a node looks again for a commit it was not told of, or a part of its a publish dropped
 PAUSE_ENV = "RESILIENT_TEST_REPLICATE_PAUSE_S"  # test hook: sleep after the first file of each step
 
 
@@ -220,11 +221,7 @@ class Replicator:
         checkpoint newer than the durable tier's newest is there (the other nodes' may still be missing)."""
         deadline = time.monotonic() + timeout_s
         failures = self._failures
-        with contextlib.suppress(OSError):  # a commit nobody notified of, or a part a publish dropped
-            # the scans outside the lock the thread needs (`_handled` only grows: a stale read re-queues no more)
-            again = [s for s in self._unreplicated() if s not in self._handled or not self._part(s).exists()]
-            with self._lock:
-                self._queue.update(again)
+        self._revisit()
         while time.monotonic() < deadline and self._failures == failures:
             with self._lock:
                 empty = not self._queue
@@ -235,6 +232,17 @@ class Replicator:
             self._idle.wait(0.1)
         with self._lock:
             return not self._queue
+
+    def _revisit(self) -> None:
+        """Queue again each local step newer than the durable tier's newest that this node was not told of, or
+        whose part of this node is not in the durable tier (another node's publish dropped it: one of its files
+        had changed since this node vouched for it). Otherwise that step would wait as a partial until a newer
+        one supersedes it."""
+        with contextlib.suppress(OSError):
+            # the scans outside the lock the thread needs (`_handled` only grows: a stale read re-queues no more)
+            again = [s for s in self._unreplicated() if s not in self._handled or not self._part(s).exists()]
+            with self._lock:
+                self._queue.update(again)
 
     def _await_publish(self, deadline: float) -> None:
         """This node's parts are all there; on several nodes another one may publish the newest step a moment
@@ -270,10 +278,13 @@ class Replicator:
 
     def _run(self) -> None:
         yield_to_training()
-        failures = 0
+        failures, revisit_at = 0, time.monotonic() + REVISIT_S
         while not self._stop.is_set():
             self._wake.wait(RETRY_S[min(failures, len(RETRY_S) - 1)] if failures else 1.0)
             self._wake.clear()
+            if not failures and time.monotonic() >= revisit_at:
+                revisit_at = time.monotonic() + REVISIT_S
+                self._revisit()
             while not self._stop.is_set():
                 with self._lock:
                     todo = sorted(self._queue)

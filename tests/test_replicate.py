@@ -340,13 +340,18 @@ def test_drain_copies_a_local_commit_nobody_notified_of(tmp_path):
     assert store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True).valid
 
 
-def test_a_file_replaced_by_a_copy_of_another_save_after_it_was_verified_is_never_published(tmp_path):
+@pytest.mark.parametrize("comes_back", ["revisit", "drain"])
+def test_a_file_replaced_by_a_copy_of_another_save_after_it_was_verified_is_never_published(tmp_path, monkeypatch,
+                                                                                           comes_back):
     """Node a's local tier still held an older save of step 20, whose ranks it held differently (a: 2, 3). Node
     b copies the new save (b: 2, 3) and vouches for it; then a copies its old save over b's shard files. When a
     has the new save and copies it, both parts are of the same save, but b's shards on disk are a's old bytes
     (of the same size): publishing would make a checkpoint whose manifest its files do not match. The publish
-    finds b's files replaced since b verified them, drops b's part, and publishes once b has copied again (at
-b's exit: a dropped part brings its step back into the queue)."""
+    finds b's files replaced since b verified them, drops b's part, and publishes once b has copied again: b finds
+its part gone when it next looks (every REVISIT_S), or at its exit (drain), whichever comes first."""
+    from supervisor import replicate
+
+    monkeypatch.setattr(replicate, "REVISIT_S", 0.2 if comes_back == "revisit" else 3600.0)
     old = {"a": [2, 3], "b": [0, 1]}
     new = {"a": [0, 1], "b": [2, 3]}
     local_checkpoint(tmp_path / "local-b", 20, "b", new, salt="-new")
@@ -366,7 +371,13 @@ b's exit: a dropped part brings its step back into the queue)."""
         partial = tmp_path / "durable" / store.partial_dirname(20)
         assert not final.exists()
         assert not (partial / PARTS / "b.json").exists() and (partial / PARTS / "a.json").exists()
-        assert b.drain(30)  # b's exit finds its part dropped and copies it again
+        if comes_back == "revisit":  # b, still running, finds its part dropped and copies it again
+            deadline = time.monotonic() + 30
+            while not final.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            assert b.drain(30)  # b's exit finds its part dropped and copies it again
+        assert final.exists()
     finally:
         b.stop()
     info = store.inspect(final, deep=True)
