@@ -71,6 +71,15 @@ class AttemptListener(Protocol):
         """The signal the supervisor was asked to stop with, if any."""
 
 
+def explained_by_stop(outcome: AttemptOutcome) -> bool:
+    """An ending the stop's own signal accounts for, when the ranks had it too: ranks that checkpointed and
+    exited 75, a rank or torchrun ended by SIGTERM or SIGINT, torchrun's non-zero exit with no rank to blame."""
+    by_signal = outcome.exit_code in (-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT)
+    return (outcome.reason == api.PREEMPTED
+            or (outcome.reason in (api.WORKER_SIGNAL, api.LAUNCHER_DIED) and by_signal)
+            or (outcome.reason == api.WORKER_EXIT and outcome.failed_rank is None))
+
+
 class Attempt:
     def __init__(self, cfg: JobConfig, spec: AttemptSpec, handover: Handover, launcher: Launcher,
                  console: EventConsole, rec: AttemptRecord, run: RunRecord, listener: AttemptListener,
@@ -124,16 +133,19 @@ class Attempt:
                 next_scan = now + DISK_SCAN_S
                 self._scan_for_commits()
             self._update_ranks(heartbeats, watch, now)
-            stopping = self.listener.stop_signal() is not None
-            # Slurm signals every process of a job step at once: the ranks may have checkpointed and exited
-            # (75) within the poll in which the supervisor's own signal arrived. That is the stop, not a fault.
-            if rc is not None and not (stopping and rc != 0):
-                return self._ended(rc, handle, heartbeats, watch, oom_before)
-            if stopping:
-                return self._stop(handle, heartbeats, rc)
+            if rc is not None:
+                outcome = self._ended(rc, handle, heartbeats, watch, oom_before)
+                # Slurm signals every process of a job step at once: the ranks may have checkpointed and exited
+                # within the poll in which the supervisor's own signal arrived. That is the stop, not a fault; a
+                # rank that failed for another reason keeps it.
+                if self.listener.stop_signal() is not None and explained_by_stop(outcome):
+                    return self._stop(handle, heartbeats, rc)
+                return outcome
             failed = self._failed_rank(heartbeats, now)
             if failed is not None and now - self._failed_seen_at >= FAILED_RANK_GRACE_S:
                 return self._take_over(failed, handle, heartbeats, watch, oom_before, now)
+            if self.listener.stop_signal() is not None:
+                return self._stop(handle, heartbeats, None)
             hangs = watch.hangs(now)
             if hangs:
                 return self._hang(handle, hangs, heartbeats)

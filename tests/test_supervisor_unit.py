@@ -476,28 +476,34 @@ def test_the_resume_tier_is_taken_from_a_rank_that_has_loaded(tmp_path):
     assert events == [f"attempt 2: the ranks resumed from step 212 from the local tier ({why})"]
 
 
+@pytest.mark.parametrize(("code", "reason"), [(EXIT_PREEMPTED, "stopped"), (1, "worker_exit")])
 def test_ranks_that_stopped_on_the_same_signal_as_the_supervisor_are_a_stop_not_a_preemption(tmp_path, cli,
-                                                                                              monkeypatch):
+                                                                                              monkeypatch, code,
+                                                                                              reason):
     """Slurm signals every process of a job step at once: the ranks checkpoint and exit 75, and torchrun can end
-    within the poll in which the supervisor's own SIGTERM arrived (CI saw it recorded as 'preempted')."""
+    within the poll in which the supervisor's own SIGTERM arrived (CI saw it recorded as 'preempted'). A rank that
+    failed for another reason in that poll keeps its reason; the run stops all the same."""
     import os
     import signal
 
     job = tmp_path / "job.yaml"
-    job.write_text("name: demo\nentrypoint: {module: train_entry}\n")
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\nrestart: {backoff_s: 0}\n")
     launches = []
 
     def launcher(cfg, spec, handover):
         launches.append(spec.attempt)
         os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's handler runs before torchrun's exit is seen
         h = FakeHandle(spec.logs_dir / "torchrun.log", rc=1)
-        h.log_path.write_text(summary(rank=1, code=EXIT_PREEMPTED, sig="", traceback="<N/A>"))
+        h.log_path.write_text(summary(rank=1, code=code, sig="", traceback="<N/A>"))
         return h
 
     monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launcher)
     result = cli("run", job)
     assert result.exit_code == 143 and launches == [1], result.output
     doc = json.loads((tmp_path / "runs/demo/state.json").read_text())
-    assert doc["state"] == "stopped" and [h["reason"] for h in doc["history"]] == ["stopped"], doc["history"]
-    assert "the ranks had it too and have already stopped" in result.stderr
-    assert "attempt 1 failed" not in result.stderr
+    assert doc["state"] == "stopped" and [h["reason"] for h in doc["history"]] == [reason], doc["history"]
+    if reason == "stopped":
+        assert "the ranks had it too and have already stopped" in result.stderr
+        assert "attempt 1 failed" not in result.stderr
+    else:
+        assert "attempt 1 failed" in result.stderr and doc["history"][0]["failed_rank"] == 1
