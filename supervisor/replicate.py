@@ -190,6 +190,7 @@ class Replicator:
         self.state = ReplicationState(str(self.local_root), str(self.durable_root))
         self._queue: set[int] = set()
         self._handled: set[int] = set()  # steps this process copied, found copied or skipped as superseded
+        self._unusable: set[int] = set()  # local steps found damaged or gone: the periodic look passes them over
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -221,7 +222,7 @@ class Replicator:
         checkpoint newer than the durable tier's newest is there (the other nodes' may still be missing)."""
         deadline = time.monotonic() + timeout_s
         failures = self._failures
-        self._revisit()
+        self._revisit(thorough=True)
         while time.monotonic() < deadline and self._failures == failures:
             with self._lock:
                 empty = not self._queue
@@ -233,14 +234,25 @@ class Replicator:
         with self._lock:
             return not self._queue
 
-    def _revisit(self) -> None:
+    def _revisit(self, *, thorough: bool) -> None:
         """Queue again each local step newer than the durable tier's newest that this node was not told of, or
         whose part of this node is not in the durable tier (another node's publish dropped it: one of its files
         had changed since this node vouched for it). Otherwise that step would wait as a partial until a newer
-        one supersedes it."""
+        one supersedes it. `thorough` (at exit) validates both tiers; the periodic look, which every node of a
+        big job makes every REVISIT_S on the shared filesystem, takes the durable newest this node last saw and
+        stats only the step's own folders (`_replicate` checks the rest, under the lock)."""
         with contextlib.suppress(OSError):
             # the scans outside the lock the thread needs (`_handled` only grows: a stale read re-queues no more)
-            again = [s for s in self._unreplicated() if s not in self._handled or not self._part(s).exists()]
+            if thorough:
+                steps = self._unreplicated()
+            else:
+                with self._lock:
+                    newest = -1 if self.state.newest_durable is None else self.state.newest_durable
+                names = [p.name for p in store.checkpoint_dirs(self.local_root)] if self.local_root.is_dir() else []
+                steps = [int(m.group(1)) for n in names if (m := store.STEP_RE.match(n)) and int(m.group(1)) > newest]
+                steps = [s for s in steps if s not in self._unusable
+                         and not (self.durable_root / store.step_dirname(s)).exists()]
+            again = [s for s in steps if s not in self._handled or not self._part(s).exists()]
             with self._lock:
                 self._queue.update(again)
 
@@ -284,7 +296,10 @@ class Replicator:
             self._wake.clear()
             if not failures and time.monotonic() >= revisit_at:
                 revisit_at = time.monotonic() + REVISIT_S
-                self._revisit()
+                try:
+                    self._revisit(thorough=False)
+                except Exception as e:  # the thread goes on copying what it is told of
+                    log.warning("looking again for local steps the durable tier lacks: %s", e)
             while not self._stop.is_set():
                 with self._lock:
                     todo = sorted(self._queue)
@@ -366,6 +381,7 @@ class Replicator:
         info = store.inspect(local)
         if not info.valid:  # gone (retention, a wiped node) or damaged: nothing of this node to vouch for
             log.warning("not replicating %s: %s", local, info.reason)
+            self._unusable.add(step)
             return
         manifest = info.manifest
         assert manifest is not None

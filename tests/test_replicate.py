@@ -403,3 +403,24 @@ def test_two_nodes_copying_a_shared_file_at_once_still_publish(tmp_path):
     b._replicate(10)
     info = store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True)
     assert info.valid, info.reason
+
+
+def test_the_periodic_look_queues_an_unannounced_commit_without_scanning_the_durable_tier(tmp_path, monkeypatch):
+    """Every node of a big job looks again every REVISIT_S, on the shared filesystem: it stats the step's own
+    folders there and validates nothing of the durable tier (the look at exit does)."""
+    one_node = {"a": [0, 1]}
+    r = replicator(tmp_path, "a")
+    local_checkpoint(tmp_path / "local-a", 10, "a", one_node)
+    r._replicate(10)
+    r._done(10)
+    assert r.state.newest_durable == 10
+    local_checkpoint(tmp_path / "local-a", 20, "a", one_node)  # committed, never notified
+    looked = []
+    real_scan, real_inspect = store.scan, store.inspect
+    monkeypatch.setattr(store, "scan", lambda root, **kw: looked.append(Path(root)) or real_scan(root, **kw))
+    monkeypatch.setattr(store, "inspect", lambda path, **kw: looked.append(Path(path)) or real_inspect(path, **kw))
+    r._revisit(thorough=False)
+    assert r.snapshot()["pending"] == [20]
+    assert not [p for p in looked if p.is_relative_to(tmp_path / "durable")], looked
+    r._revisit(thorough=True)  # at exit: both tiers validated
+    assert [p for p in looked if p.is_relative_to(tmp_path / "durable")]
