@@ -74,7 +74,7 @@ class AttemptListener(Protocol):
 def explained_by_stop(outcome: AttemptOutcome) -> bool:
     """An ending the stop's own signal accounts for, when the ranks had it too: ranks that checkpointed and
     exited 75, a rank or torchrun ended by SIGTERM or SIGINT, torchrun's non-zero exit with no rank to blame."""
-    by_signal = outcome.exit_code in (-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT)
+    by_signal = outcome.exit_code in (-signal.SIGTERM, -signal.SIGINT)  # classify gives signal deaths negative
     return (outcome.reason == api.PREEMPTED
             or (outcome.reason in (api.WORKER_SIGNAL, api.LAUNCHER_DIED) and by_signal)
             or (outcome.reason == api.WORKER_EXIT and outcome.failed_rank is None))

@@ -248,9 +248,9 @@ class Replicator:
             else:
                 with self._lock:
                     newest = -1 if self.state.newest_durable is None else self.state.newest_durable
-                names = [p.name for p in store.checkpoint_dirs(self.local_root)] if self.local_root.is_dir() else []
-                steps = [int(m.group(1)) for n in names if (m := store.STEP_RE.match(n)) and int(m.group(1)) > newest]
-                steps = [s for s in steps if s not in self._unusable
+                dirs = store.checkpoint_dirs(self.local_root) if self.local_root.is_dir() else []
+                committed = (int(m.group(1)) for p in dirs if (m := store.STEP_RE.match(p.name)))
+                steps = [s for s in committed if s > newest and s not in self._unusable
                          and not (self.durable_root / store.step_dirname(s)).exists()]
             again = [s for s in steps if s not in self._handled or not self._part(s).exists()]
             with self._lock:
