@@ -40,10 +40,16 @@ def _root(
     """Keep long distributed PyTorch training jobs alive."""
 
 
-def _guard(as_json: bool, fn: Callable[[], int]) -> None:
-    """Run a command body; turn ResilientError into its exit code and one clear line."""
+def _guard(as_json: bool, fn: Callable[[], int], *, reads_files: bool = False) -> None:
+    """Run a command body; turn ResilientError into its exit code and one clear line. With `reads_files` (the
+    light commands), a file or folder they cannot read is such an error too, named with the system's reason."""
     try:
-        code = fn()
+        try:
+            code = fn()
+        except OSError as e:
+            if not reads_files or os.environ.get("RESILIENT_DEBUG") == "1":
+                raise
+            raise _unreadable(e) from e
     except ResilientError as e:
         if os.environ.get("RESILIENT_DEBUG") == "1":
             raise
@@ -53,6 +59,15 @@ def _guard(as_json: bool, fn: Callable[[], int]) -> None:
             render.err.print(f"resilient: {e.message}", markup=False, soft_wrap=True)
         raise typer.Exit(int(e.exit_code)) from None
     raise typer.Exit(int(code))
+
+
+def _unreadable(e: OSError) -> ResilientError:
+    where = e.filename if e.filename is not None else "a file it needed"
+    reason = e.strerror or e.__class__.__name__
+    if isinstance(e, PermissionError):
+        return UsageError(f"{where}: cannot be read ({reason}); give this user access to it (or run as its "
+                          "owner) and run the command again.")
+    return ResilientError(f"{where}: cannot be read ({reason}); check the filesystem and run the command again.")
 
 
 TARGET = typer.Argument(None, help="A job file, run dir or checkpoint root (default: the current folder).")
@@ -96,7 +111,7 @@ def status(
 
         return status_cmd.main(target, as_json, watch, plot=plot, wait_ranks_s=wait_timeout if wait_ranks else None)
 
-    _guard(as_json, body)
+    _guard(as_json, body, reads_files=True)
 
 
 @app.command("inspect-checkpoint")
@@ -114,7 +129,7 @@ def inspect_checkpoint(
 
         return inspect_cmd.main(target, step, verify, as_json)
 
-    _guard(as_json, body)
+    _guard(as_json, body, reads_files=True)
 
 
 @app.command()
@@ -135,7 +150,7 @@ def gc(
             raise UsageError(f"--keep-local {keep_local}: keep at least 1.")
         return gc_cmd.main(target, keep, dry_run, as_json, keep_local)
 
-    _guard(as_json, body)
+    _guard(as_json, body, reads_files=True)
 
 
 @app.command()
@@ -153,7 +168,7 @@ def logs(
 
         return logs_cmd.main(target, rank, attempt, follow)
 
-    _guard(False, body)
+    _guard(False, body, reads_files=True)
 
 
 @app.command("rdzv-store")

@@ -26,6 +26,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.errors import UsageError
 from supervisor.fsutil import read_json
 
 JOB_FILE = "job.json"
@@ -87,12 +88,13 @@ def recorded(path: str | os.PathLike, run_dir: Path) -> str:
     """How a run records `path`: relative to `run_dir` when it lies inside it ("." for the run dir itself),
     else absolute."""
     try:
-        return Path(path).relative_to(run_dir).as_posix()
+        return Path(os.path.normpath(path)).relative_to(os.path.normpath(run_dir)).as_posix()
     except ValueError:
         return str(path)
 
 
-def resolved(path: str | os.PathLike, run_dir: Path, written_in: str | os.PathLike | None = None) -> Path:
+def resolved(path: str | os.PathLike, run_dir: Path, written_in: str | os.PathLike | None = None, *,
+             what: str = "a file of the run dir") -> Path:
     """A recorded path, resolved against the run dir as it is found now.
 
     Args:
@@ -100,13 +102,22 @@ def resolved(path: str | os.PathLike, run_dir: Path, written_in: str | os.PathLi
         run_dir: where the run dir is now.
         written_in: the run dir's own path as an older file recorded it (absolute); a path inside it is
             rebased onto `run_dir`.
+        what: the file and key it was read from, for the error.
+
+    Raises:
+        UsageError: a relative path that climbs out of the run dir (`..`): a run never records one (it writes
+            paths outside it absolute), and following it would act on another folder as if it were the run's.
     """
-    p = Path(path)
+    p = Path(os.path.normpath(path))
     if not p.is_absolute():
+        if p.parts[:1] == (os.pardir,):
+            raise UsageError(f"{what} records the path {str(path)!r}, which leads out of the run dir {run_dir}; "
+                             "a run records paths inside it relative to it and others absolute: write it "
+                             "as an absolute path, or pass the checkpoint root you mean as TARGET.")
         return run_dir / p
     if written_in is not None and Path(written_in).is_absolute():
         try:
-            return run_dir / p.relative_to(written_in)
+            return run_dir / p.relative_to(os.path.normpath(written_in))
         except ValueError:
             pass
     return p
@@ -116,10 +127,13 @@ def recorded_checkpoint_root(run_dir: Path) -> Path:
     """The checkpoint root job.json records, resolved against `run_dir`; else the default <run_dir>/checkpoints."""
     try:
         job = read_json(run_dir / JOB_FILE)["job"]
-        return resolved(job["checkpoint"]["dir"], run_dir, job.get("run_dir"))
+        return resolved(job["checkpoint"]["dir"], run_dir, job.get("run_dir"),
+                        what=f"{run_dir / JOB_FILE} (checkpoint.dir)")
     except (OSError, ValueError, KeyError, TypeError):
         return run_dir / "checkpoints"
 
 
 def inside(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or lies under it, by name (`..` taken into account; links are not followed)."""
+    path, folder = Path(os.path.normpath(path)), Path(os.path.normpath(folder))
     return path == folder or folder in path.parents

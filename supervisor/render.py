@@ -23,7 +23,8 @@ def _console(stderr: bool = False) -> Console:
 err = _console(stderr=True)
 out = _console()
 
-STATUS_STYLE = {"valid": "green", "incomplete": "yellow", "corrupt": "red", "succeeded": "green", "finished": "green",
+STATUS_STYLE = {"valid": "green", "incomplete": "yellow", "corrupt": "red", "unreadable": "magenta",
+                "succeeded": "green", "finished": "green",
                 "running": "cyan", "restarting": "yellow", "failed": "red", "stopped": "magenta",
                 "pending": "dim"}
 

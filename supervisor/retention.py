@@ -1,7 +1,8 @@
 """Retention: which checkpoint folders `gc` and the supervisor may delete, and deleting them.
 
 Rules: keep the N newest valid checkpoints and never the newest valid one; remove older valid ones and
-invalid folders, never a quarantined one (evidence the supervisor set aside); remove a partial save only when
+invalid folders, never a quarantined one (evidence the supervisor set aside) nor one that could not be read
+(a permission or an I/O error says nothing about its bytes); remove a partial save only when
 no live writer can own it (its writer lock is free, and either no supervisor holds the run dir or the
 partial is older than the newest valid checkpoint).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -49,7 +51,14 @@ class Plan:
 
 
 def _folder_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """The bytes of the plain files under `path`, links not followed."""
+    total = 0
+    for folder, _subdirs, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(folder, name))
+                total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive: bool) -> Plan:
@@ -77,6 +86,9 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
             spared.append((info, "quarantined: resilient never deletes it; remove it by hand once understood"))
         elif info.valid:
             remove.append(Removal(info.path, info.step, info.size_bytes, f"older than the {keep} newest valid"))
+        elif info.status is store.Status.UNREADABLE and not info.partial:
+            spared.append((info, f"{info.reason}: nothing is known about its bytes, so it is not deleted; "
+                                 "make it readable, or remove it by hand"))
         elif info.partial:
             pid = store.writer_alive(info.path)
             if pid is not None:

@@ -76,6 +76,13 @@ class Status(str, enum.Enum):
     VALID = "valid"
     INCOMPLETE = "incomplete"
     CORRUPT = "corrupt"
+    # Could not be read here (permissions, an I/O error, a checksum package not installed): nothing is known about
+    # its bytes, so it is neither resumed from nor deleted.
+    UNREADABLE = "unreadable"
+
+
+class UnsupportedChecksum(Exception):
+    """A marker names a checksum algorithm this machine cannot compute (its optional package is missing)."""
 
 
 def step_dirname(step: int) -> str:
@@ -104,8 +111,11 @@ def _hasher(algorithm: str) -> Any:
 
         return xxhash.xxh3_128()
     if algorithm == "crc32c":
-        import crc32c  # optional: only to verify manifests written with it
-
+        try:
+            import crc32c  # optional: only to verify manifests written with it
+        except ImportError:
+            raise UnsupportedChecksum("its checksums are crc32c, which needs the crc32c package here "
+                                      "(pip install crc32c)") from None
         return crc32c.CRC32CHash()
     if algorithm in ("sha256", "blake2b", "md5"):
         return hashlib.new(algorithm)
@@ -472,12 +482,12 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
     quarantined = QUARANTINE_RE.match(path.name) is not None
     try:
         entries = _entries(path)
+        mtime = path.stat().st_mtime
     except OSError as e:
-        return CheckpointInfo(step, path, Status.CORRUPT, f"cannot list the folder ({e.strerror})", 0, 0,
+        return CheckpointInfo(step, path, Status.UNREADABLE, f"cannot list the folder ({e.strerror})", 0, 0,
                               partial=partial, quarantined=quarantined)
     size = sum(st.st_size for st in entries.values())
     nfiles = sum(1 for n in entries if n not in (MARKER, WRITER_LOCK, QUARANTINE_FILE))
-    mtime = path.stat().st_mtime
 
     def result(status: Status, reason: str, manifest: Manifest | None = None) -> CheckpointInfo:
         return CheckpointInfo(step, path, status, reason, size, nfiles,
@@ -498,8 +508,10 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
         manifest = Manifest.from_json((path / MARKER).read_bytes())
     except ValueError as e:
         return result(Status.CORRUPT, f"completion marker is unreadable: {e}")
+    except UnsupportedChecksum as e:
+        return result(Status.UNREADABLE, f"cannot be checked on this machine: {e}")
     except OSError as e:
-        return result(Status.CORRUPT, f"completion marker cannot be read ({e.strerror})")
+        return result(Status.UNREADABLE, f"completion marker cannot be read ({e.strerror})")
     if manifest.step != step:
         return result(Status.CORRUPT, f"marker says step {manifest.step}, folder is step {step}", manifest)
     listed = {f.name for f in manifest.files}
@@ -521,8 +533,10 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
             digest = checksum_file(path / f.name, manifest.checksum_algorithm, progress)
         except ValueError as e:
             return result(Status.CORRUPT, f"cannot verify: {e}", manifest)
+        except UnsupportedChecksum as e:
+            return result(Status.UNREADABLE, f"cannot be checked on this machine: {e}", manifest)
         except OSError as e:
-            return result(Status.CORRUPT, f"{f.name} cannot be read ({e.strerror})", manifest)
+            return result(Status.UNREADABLE, f"{f.name} cannot be read ({e.strerror})", manifest)
         if digest != f.checksum:
             return result(Status.CORRUPT, f"{f.name} checksum mismatch ({manifest.checksum_algorithm})",
                           manifest)
@@ -581,8 +595,9 @@ def aside_path(folder: Path) -> Path:
 
 
 def trash_dirs(root: str | os.PathLike) -> list[Path]:
-    """Folders `commit` moved aside and did not get to delete."""
-    return [Path(e.path) for e in os.scandir(root) if e.name.startswith(TRASH_PREFIX) and e.is_dir()]
+    """Folders `commit` moved aside and did not get to delete (real folders: a link there leads elsewhere)."""
+    return [Path(e.path) for e in os.scandir(root)
+            if e.name.startswith(TRASH_PREFIX) and e.is_dir(follow_symlinks=False)]
 
 
 def keep_spare(folder: Path, root: Path, limit_bytes: int) -> int:

@@ -52,16 +52,19 @@ def nothing_here(path: Path | str) -> UsageError:
 
 def _run_dir_of_root(root: Path) -> Path | None:
     parent = root.parent
-    if layout.looks_like_run_dir(parent) and layout.recorded_checkpoint_root(parent) == root:
-        return parent
+    try:
+        if layout.looks_like_run_dir(parent) and layout.recorded_checkpoint_root(parent) == root:
+            return parent
+    except UsageError:  # its job.json records another root, one it may not: the root was named, not that run dir
+        pass
     return None
 
 
 def _holds_checkpoints(path: Path) -> bool:
     try:
         return bool(store.checkpoint_dirs(path) or store.trash_dirs(path))
-    except OSError:
-        return False
+    except (FileNotFoundError, NotADirectoryError):
+        return False  # a folder that cannot be read says so (the CLI names it), not "nothing here"
 
 
 def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
@@ -108,7 +111,7 @@ def local_tiers(t: Target) -> list[tuple[str, Path]]:
         except state.StateFileError:
             continue
         recorded = (rec.replication or {}).get("local_root")
-        root = layout.resolved(recorded, t.run_dir) if recorded else None
+        root = layout.resolved(recorded, t.run_dir, what=f"{path} (replication.local_root)") if recorded else None
         if root is not None and root.is_dir():
             found.append((rec.node or rec.supervisor.get("host") or "node", root))
     return found

@@ -11,7 +11,7 @@ import contextlib
 import fcntl
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ class GcResult:
     plan: retention.Plan
     dry_run: bool
     applied: retention.Applied | None  # None for a dry run
-    local: list[tuple[str, GcResult]] | None = None  # each node-local tier's own result
+    local: list[tuple[str, GcResult]] = field(default_factory=list)  # each node-local tier's own result
 
     @property
     def removed(self) -> list[retention.Removal]:
@@ -80,9 +80,6 @@ class GcResult:
         if self.failed:
             line += f"; {len(self.failed)} folder(s) could not be removed"
         render.out.print(line, markup=False)
-        for node, r in self.local or []:
-            render.out.print(f"local tier of node {node}: {r.root}", markup=False, soft_wrap=True)
-            r.render()
 
 
 def _name(r: retention.Removal) -> str:
@@ -148,9 +145,21 @@ def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_
                 raise UsageError(f"{folder}: cannot delete there ({problem}); nothing was removed. "
                                  "Make it writable (remount it read-write) and run gc again.")
         applied = retention.apply(plan)
-    result = GcResult(t.checkpoint_root, plan, dry_run, applied,
-                      [(node, GcResult(lroot, lplan, dry_run, None if dry_run else retention.apply(lplan)))
-                       for node, lroot, lplan in local])
-    render.emit(result, as_json)
+    result = GcResult(t.checkpoint_root, plan, dry_run, applied)
+    if not as_json:
+        result.render()
+    for node, lroot, lplan in local:  # each tier named before anything in it is deleted
+        header = f"local tier of node {node}: {lroot}"
+        if not as_json:
+            render.out.print(header, markup=False, soft_wrap=True)
+        elif not layout.inside(lroot, t.run_dir):  # type: ignore[arg-type]  # local tiers come from a run dir
+            render.err.print(f"resilient: {header} (outside the run dir, as its state records it)", markup=False,
+                             soft_wrap=True)
+        lresult = GcResult(lroot, lplan, dry_run, None if dry_run else retention.apply(lplan))
+        result.local.append((node, lresult))
+        if not as_json:
+            lresult.render()
+    if as_json:
+        render.print_json(result.to_json())
     return result.exit_code
 

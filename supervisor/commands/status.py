@@ -85,7 +85,8 @@ class StatusResult:
             ranks=[r for n in self.nodes for r in n.ranks(self.now)],
             run_dir=str(self.run_dir),
             # Recorded relative to the run dir: shown resolved against where the run dir is now.
-            checkpoint_dir=str(layout.resolved(rec.checkpoint_dir, self.run_dir)),
+            checkpoint_dir=str(layout.resolved(rec.checkpoint_dir, self.run_dir,
+                                               what=f"{self.run_dir}'s state file (checkpoint_dir)")),
             history=self._history(rec),
         )
         if len(self.nodes) > 1 or rec.node is not None:
@@ -101,7 +102,8 @@ class StatusResult:
         for h in rec.history:
             h = h.to_dict()
             if h.get("log_dir"):
-                h["log_dir"] = str(layout.resolved(h["log_dir"], self.run_dir))
+                h["log_dir"] = str(layout.resolved(h["log_dir"], self.run_dir,
+                                                   what=f"{self.run_dir}'s state file (history log_dir)"))
             out.append(h)
         return out
 

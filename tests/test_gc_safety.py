@@ -1,0 +1,152 @@
+"""What inspect-checkpoint and gc must never do, whatever they find: call a checkpoint they could not read
+corrupt (and delete it), follow a path a run dir records out of it, follow a link, or delete in a folder
+before naming it. Real folders written by the store; permissions really denied (the CLI run as an
+unprivileged user when the tests run as root, who reads every file whatever its mode)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from supervisor import state, store
+from tests.ckpt_helpers import write_checkpoint
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def shared_dir():
+    """A folder an unprivileged user can reach and change (pytest's own tmp dirs are root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="resilient-gc-safety-", dir="/tmp"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _open_to_all(root: Path) -> None:
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o777 if p.is_dir() else 0o666)
+
+
+def _unprivileged(*args: object) -> subprocess.CompletedProcess:
+    """The installed CLI, run without root's right to read what its mode forbids."""
+    cmd = [str(Path(sys.executable).with_name("resilient")), *map(str, args)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: a file's mode cannot deny root here")
+        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_a_checkpoint_that_cannot_be_read_is_unreadable_not_corrupt_and_gc_keeps_it(shared_dir):
+    root = shared_dir / "ckpt"
+    for step in (100, 200, 300):
+        write_checkpoint(root, step)
+    _open_to_all(root)
+    (root / store.step_dirname(300) / store.MARKER).chmod(0)
+
+    r = _unprivileged("inspect-checkpoint", root, "--json")
+    assert r.returncode == 0, r.stderr  # step 200 is valid
+    doc = json.loads(r.stdout)
+    s300 = next(c for c in doc["checkpoints"] if c["step"] == 300)
+    assert s300["status"] == "unreadable" and "Permission denied" in s300["reason"], s300
+    assert doc["latest_valid_step"] == 200
+
+    r = _unprivileged("gc", root, "--keep", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["kept"] == [200] and [x["step"] for x in doc["removed"]] == [100]
+    assert [x["step"] for x in doc["spared"]] == [300] and "not deleted" in doc["spared"][0]["why"]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [
+        store.step_dirname(200), store.step_dirname(300)]
+
+
+def test_a_checkpoint_root_that_cannot_be_read_is_one_sentence(shared_dir):
+    root = shared_dir / "ckpt"
+    write_checkpoint(root, 1)
+    root.chmod(0o311)  # enterable, not listable
+    for cmd in (("inspect-checkpoint", root), ("gc", root, "--keep", "1")):
+        r = _unprivileged(*cmd)
+        assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr and "cannot be read (Permission denied)" in r.stderr, r.stderr
+    assert (root / store.step_dirname(1) / store.MARKER).is_file()
+
+
+def test_a_marker_whose_checksum_package_is_missing_is_unreadable_and_kept(tmp_path, cli, monkeypatch):
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        write_checkpoint(root, step)
+    marker = root / store.step_dirname(3) / store.MARKER
+    doc = json.loads(marker.read_bytes())
+    doc["checksum_algorithm"] = "crc32c"  # written elsewhere, where the package was installed
+    marker.write_text(json.dumps(doc))
+    monkeypatch.setitem(sys.modules, "crc32c", None)  # `import crc32c` fails, as without the package
+
+    r = cli("inspect-checkpoint", root, "--json")
+    s3 = next(c for c in json.loads(r.stdout)["checkpoints"] if c["step"] == 3)
+    assert s3["status"] == "unreadable" and "pip install crc32c" in s3["reason"], s3
+    doc = json.loads(cli("gc", root, "--keep", "1", "--json").stdout)
+    assert doc["kept"] == [2] and [x["step"] for x in doc["spared"]] == [3] and marker.is_file()
+
+
+def _run_dir(path: Path, checkpoint_dir: str) -> Path:
+    path.mkdir(parents=True)
+    (path / "job.json").write_text(json.dumps({"schema_version": 1, "job": {"checkpoint": {"dir": checkpoint_dir}}}))
+    return path
+
+
+@pytest.mark.parametrize("where", ["job.json", "state.json"])
+def test_a_path_recorded_out_of_the_run_dir_with_dotdot_is_not_followed(tmp_path, cli, where):
+    victim = tmp_path / "victim"
+    for step in (1, 2, 3):
+        write_checkpoint(victim, step)
+    run_dir = _run_dir(tmp_path / "run", "../victim" if where == "job.json" else "checkpoints")
+    if where == "state.json":
+        write_checkpoint(run_dir / "checkpoints", 3)
+        rec = state.RunRecord(name="x", run_dir=".", checkpoint_dir="checkpoints", node="a",
+                              state=state.RunState.SUCCEEDED,
+                              replication={"local_root": "../victim", "durable_root": "checkpoints"})
+        (run_dir / "nodes" / "a").mkdir(parents=True)
+        state.write(run_dir / "nodes" / "a" / "state.json", rec)
+    for cmd in (("gc", run_dir, "--keep", "1"), ("inspect-checkpoint", run_dir)):
+        r = cli(*cmd)
+        assert r.exit_code == 2, (cmd, r.output)
+        assert "leads out of the run dir" in r.stderr and "'../victim'" in r.stderr, r.stderr
+    assert sorted(p.name for p in victim.iterdir()) == [store.step_dirname(s) for s in (1, 2, 3)]
+
+
+def test_gc_does_not_follow_a_link_named_like_its_leftovers(tmp_path, cli):
+    root, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    write_checkpoint(root, 1)
+    elsewhere.mkdir()
+    (elsewhere / "data").write_bytes(bytes(1000))
+    (root / f"{store.TRASH_PREFIX}{store.step_dirname(0)}.1").symlink_to(elsewhere)
+    for extra in (("--dry-run",), ()):
+        r = cli("gc", root, "--keep", "1", "--json", *extra)
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["removed"] == []
+    assert (elsewhere / "data").stat().st_size == 1000
+
+
+def test_gc_names_a_local_tier_outside_the_run_dir_before_deleting_in_it(tmp_path, cli):
+    run_dir, nvme = _run_dir(tmp_path / "run", "checkpoints"), tmp_path / "nvme"
+    for step in (1, 2):
+        write_checkpoint(run_dir / "checkpoints", step)
+        write_checkpoint(nvme, step)
+    rec = state.RunRecord(name="x", run_dir=".", checkpoint_dir="checkpoints", node="a",
+                          state=state.RunState.SUCCEEDED, replication={"local_root": str(nvme)})
+    state.write(run_dir / "state.json", rec)
+    r = cli("gc", run_dir, "--keep", "1", "--keep-local", "1", "--json")
+    assert r.exit_code == 0, r.output
+    assert f"local tier of node a: {nvme}" in r.stderr  # JSON on stdout; the folder named before it is touched
+    assert [x["step"] for x in json.loads(r.stdout)["local_tiers"][0]["removed"]] == [1]
+    r = cli("gc", run_dir, "--keep", "1", "--keep-local", "1")
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"checkpoint root {run_dir / 'checkpoints'}" and f"local tier of node a: {nvme}" in lines
