@@ -296,7 +296,8 @@ class Attempt:
             note = None
             if rank in slow:
                 note = f"straggler: {slow[rank]:.2f} own steps/s, far below the other ranks"
-            ranks.append({"rank": rank, "node": hb.node, "pid": hb.pid, "step": hb.step, "phase": hb.phase,
+            ranks.append({"rank": rank, "node": hb.node, "pid": hb.pid, "started_at": hb.started_at,
+                          "step": hb.step, "phase": hb.phase,
                           "world_size": hb.world_size, "heartbeat_at": hb.time,
                           "heartbeat_age_s": round(ages.get(rank, 0.0), 2),
                           "alive": hb.phase != "exited" and _pid_alive(hb.pid), "steps_per_s": hb.steps_per_s,

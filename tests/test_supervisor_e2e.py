@@ -182,6 +182,35 @@ def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path
     assert [h["reason"] for h in doc["history"][attempt - 1:]] == ["supervisor_lost", "finished"], doc["history"]
 
 
+def test_a_rerun_stops_a_forked_rank_that_outlived_a_killed_supervisor_before_relaunching(tmp_path):
+    """A stopped rank (SIGSTOP) cannot end itself when its supervisor dies. On a relaunched attempt it is a fork
+    of the prewarm server, whose command line names no training script: the rerun knows it by its pid and its
+    start time, continues and stops it, and only then launches."""
+    run_dir = tmp_path / "run"
+    sup = Proc(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup1.log")
+    stopped = None
+    try:
+        relaunch_on_a_forked_torchrun(sup, run_dir)
+        ranks = wait_for(lambda: live_ranks(run_dir, min_step=10), 90, "attempt 2 training")
+        stopped = psutil.Process(ranks[1]["pid"])
+        assert "supervisor.prewarm" in " ".join(stopped.cmdline())
+        stopped.suspend()
+        os.kill(sup.pid, signal.SIGKILL)
+        sup.wait(30)
+        with started(run_job(run_dir, steps=150, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup2:
+            assert sup2.wait(RUN_TIMEOUT) == 0, sup2.output()[-3000:]
+            out = sup2.output()
+        assert f"rank(s) left by a previous supervisor: [{ranks[0]['pid']}, {stopped.pid}]" in out or \
+            f"rank(s) left by a previous supervisor: [{stopped.pid}]" in out, out[-3000:]
+        assert not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE
+        assert out.index("left by a previous supervisor") < out.index("attempt 3")
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(psutil.Error):
+                stopped.kill()
+        sup.kill_all()
+
+
 @pytest.mark.matrix
 def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
     """Two SIGKILLs: attempt 3's ranks are forks of the prewarm server, and the final model and optimizer

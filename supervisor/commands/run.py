@@ -60,18 +60,26 @@ def node_name(cfg: JobConfig, node: str | None) -> str | None:
     return name or socket.gethostname()
 
 
+ORPHAN_START_SLACK_S = 2.0
+
+
 def reap_orphans(layout: RunLayout, cfg: JobConfig, console: EventConsole) -> None:
     """Ranks left running by a supervisor that died (its lock is ours now): stop them before relaunching."""
     try:
         prev = state.read(layout.state_file)
     except state.StateFileError:
         return
+    # A relaunched attempt's ranks are forks of the prewarm server: their command line is the server's.
     markers = [m for m in (cfg.entrypoint.module, str(cfg.entrypoint.script or ""), "supervisor.torchrun",
-                           "torch.distributed.run") if m]
+                           "torch.distributed.run", "supervisor.prewarm") if m]
     procs = []
     for r in prev.ranks:
-        with contextlib.suppress(psutil.Error, KeyError, TypeError):
+        with contextlib.suppress(psutil.Error, KeyError, TypeError, ValueError):
             p = psutil.Process(int(r["pid"]))
+            # The rank's own start time: a pid reused since belongs to a process created after it (psutil's
+            # creation time is whole-second coarse).
+            if r.get("started_at") and p.create_time() > float(r["started_at"]) + ORPHAN_START_SLACK_S:
+                continue
             if any(m in " ".join(p.cmdline()) for m in markers):
                 procs.append(p)
     if not procs:
@@ -81,6 +89,7 @@ def reap_orphans(layout: RunLayout, cfg: JobConfig, console: EventConsole) -> No
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.terminate()
+            p.resume()  # a stopped rank (SIGSTOP, a debugger) acts on the SIGTERM only once continued
     _, alive = psutil.wait_procs(procs, timeout=cfg.stop_timeout_s)
     for p in alive:
         with contextlib.suppress(psutil.Error):
