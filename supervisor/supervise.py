@@ -87,6 +87,7 @@ class Supervisor:
         self._generation = self.generations.current() if self.generations else None
         self._interval: int | None = ck.interval_steps
         self._last_state_write = 0.0
+        self._state_write_error: str | None = None  # the last write of state.json failed (a full disk): said once
         # A node-local tier: the ranks save there, this node's part is copied to the durable tier in the background.
         self.local_root = ck.local_root(layout.node_name)
         self.replicator = (Replicator(self.local_root, ck.dir, layout.node_name,
@@ -460,7 +461,17 @@ class Supervisor:
                     snap[key] = recorded(snap[key], self.cfg.run_dir)
                 self.record.replication = snap
             self.record.accounting = {"summary": summary, "ledger": self.accounting.to_dict()}
-            state.write(self.layout.state_file, self.record)
+            try:
+                state.write(self.layout.state_file, self.record)
+            except OSError as e:  # a full disk must not end the supervision it is there to ride out
+                if self._state_write_error is None:
+                    self.console.event(f"cannot write {self.layout.state_file} ({e.strerror or e}); supervising "
+                                       "on, `resilient status` shows the last state written", style="red")
+                self._state_write_error = str(e)
+                return
+            if self._state_write_error is not None:
+                self.console.event(f"{self.layout.state_file.name} is written again")
+                self._state_write_error = None
             self._last_state_write = now
 
     def _transition(self, new: RunState) -> None:

@@ -507,3 +507,34 @@ def test_ranks_that_stopped_on_the_same_signal_as_the_supervisor_are_a_stop_not_
         assert "attempt 1 failed" not in result.stderr
     else:
         assert "attempt 1 failed" in result.stderr and doc["history"][0]["failed_rank"] == 1
+
+
+def test_a_state_file_that_cannot_be_written_does_not_end_the_supervision(tmp_path, cli, monkeypatch):
+    """A full disk under the run dir: the supervisor says so once, supervises on, and writes the state again once
+    it can (it once ended in a traceback, exit 1, with the run's state left 'running')."""
+    import errno
+
+    from supervisor import state as state_mod
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\nrestart: {backoff_s: 0}\n")
+    real_write, full = state_mod.write, {"on": False}
+
+    def write(path, rec):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_write(path, rec)
+
+    def launcher(cfg, spec, handover):
+        full["on"] = spec.attempt == 1  # the disk fills during attempt 1 and has room again for attempt 2
+        h = FakeHandle(spec.logs_dir / "torchrun.log", rc=1 if spec.attempt == 1 else 0)
+        h.log_path.write_text(summary() if spec.attempt == 1 else "")
+        return h
+
+    monkeypatch.setattr(state_mod, "write", write)
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launcher)
+    result = cli("run", job)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("No space left on device") == 1 and "state.json is written again" in result.stderr
+    doc = json.loads((tmp_path / "runs/demo/state.json").read_text())
+    assert doc["state"] == "succeeded" and [h["reason"] for h in doc["history"]] == ["worker_signal", "finished"]
