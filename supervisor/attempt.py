@@ -102,8 +102,9 @@ class Attempt:
         try:
             outcome = self._watch(handle, oom_before)
         finally:
-            # Ranks asked to stop may still be writing their checkpoint after torchrun is gone.
-            stopping = outcome is not None and outcome.reason == api.STOPPED
+            # Ranks asked to stop may still be writing their checkpoint after torchrun is gone; a torchrun that
+            # outlived the stop's grace has had it.
+            stopping = outcome is not None and outcome.reason == api.STOPPED and outcome.exit_code is not None
             survivors = handle.stop(grace_s=self.cfg.stop_timeout_s if stopping else HANG_STOP_GRACE_S)
             if survivors:
                 self.console.event(f"processes survived SIGKILL: {survivors}", style="red")
@@ -213,6 +214,7 @@ class Attempt:
             self.console.event(f"{name}: asking the ranks to checkpoint and stop (up to "
                                f"{self.cfg.stop_timeout_s:.0f}s)", style="yellow")
             handle.signal_ranks(signal.SIGTERM)
+            handle.signal_ranks(signal.SIGCONT)  # a stopped rank (SIGSTOP, a debugger) acts on it only once continued
             rc = handle.wait(self.cfg.stop_timeout_s + 5)
         else:
             self.console.event(f"{name}: the ranks had it too and have already stopped (torchrun exited with "

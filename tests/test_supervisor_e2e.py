@@ -159,6 +159,26 @@ def test_sigterm_to_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tmp
         assert f"resuming from step {stop_step}" in sup.output()
 
 
+def test_sigterm_with_a_stopped_rank_continues_it_and_checkpoints_within_the_grace(tmp_path):
+    """A rank stopped by SIGSTOP (or a debugger) when the supervisor is asked to stop: it is continued with the
+    SIGTERM, so the group checkpoints at its stop step within the grace (it once stayed stopped through the whole
+    grace, then got a second one, and the console named an older checkpoint than the one the ranks committed)."""
+    run_dir = tmp_path / "run"
+    with started(run_job(run_dir, steps=400), tmp_path, log=tmp_path / "sup.log") as sup:
+        ranks = wait_for(lambda: live_ranks(run_dir, min_step=25), 90, "training past the first checkpoint")
+        os.kill(ranks[1]["pid"], signal.SIGSTOP)
+        signalled_at = time.monotonic()
+        sup.signal(signal.SIGTERM)
+        assert sup.wait(60) == 143, sup.output()[-3000:]
+        took = time.monotonic() - signalled_at
+        assert sup.alive_descendants() == []
+    doc = status(run_dir)
+    detail = doc["history"][-1]["detail"]
+    assert doc["state"] == "stopped" and "torchrun exited" in detail and "none at the stop step" not in detail, detail
+    assert store.latest_valid(run_dir / "checkpoints").step == doc["step"]
+    assert took < 20, f"the stop took {took:.1f}s, the job's stop_timeout_s is 20"
+
+
 def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path):
     """On a relaunched attempt, whose torchrun is a fork of the prewarm server (attempt 1's, a zygote, is
     killed with its supervisor in test_checkpoint_faults_e2e, mid-save)."""
