@@ -16,7 +16,7 @@ import pytest
 from supervisor import store
 from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED
 from tests.ckpt_helpers import assert_same_training_state, dcp_tensors, stateful_entries
-from tests.proc import Proc, heartbeat, started, step_of, torchrun, wait_for
+from tests.proc import Proc, child_env, heartbeat, started, step_of, torchrun, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -184,6 +184,24 @@ def test_sigterm_exits_preempted_with_a_checkpoint_at_the_stop_step(tmp_path):
     assert hbs[1]["step"] == stop_step
     latest = store.latest_valid(tmp_path / "checkpoints", deep=True)  # the stop's own save, after the signal
     assert latest is not None and latest.step == stop_step and latest.created_at > signalled_at
+
+
+def test_ranks_signalled_apart_agree_whether_the_grace_allows_the_stop_checkpoint(tmp_path):
+    """Only rank 1 has the SIGTERM; rank 0 learns of the stop from the agreement. With no grace left for a save,
+    both exit 75 without one: rank 0 once saved alone, and failed in the save's collective (exit 1)."""
+    args = ["--steps", "500", "--ckpt-interval", "10", "--heartbeat-dir", "hb", "--heartbeat-interval-s", "0.2",
+            "--test-sleep-per-step", "0.02"]
+    env = child_env(RESILIENT_STOP_GRACE_S="2")  # the grace, less its 2 s margin: no time for a save
+    with started(torchrun(2, args), tmp_path, env=env, log=tmp_path / "run.log") as p:
+        wait_for(lambda: (heartbeat(tmp_path / "hb", 1) or {}).get("step", 0) >= 15, 90, "step 15")
+        os.kill(heartbeat(tmp_path / "hb", 1)["pid"], signal.SIGTERM)
+        p.wait(60)
+        out = p.output()
+    hbs = [heartbeat(tmp_path / "hb", r) for r in (0, 1)]
+    assert [hb["exit_code"] for hb in hbs] == [EXIT_PREEMPTED] * 2, out[-3000:]
+    assert "stopping without a checkpoint" in out
+    assert store.latest_valid(tmp_path / "checkpoints").step < hbs[0]["step"]
+    assert not list((tmp_path / "checkpoints").glob("*.partial"))
 
 
 def test_nan_loss_exits_nan_and_never_saves_that_step(tmp_path):

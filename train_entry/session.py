@@ -445,11 +445,16 @@ class Session:
         return blocking
 
     def _grace_allows(self) -> bool:
-        if self.stop.at is None:
-            return True
-        left = self.grace_s - (time.monotonic() - self.stop.at)
-        need = self.ckpt.last_save_s or 0.0
-        return left > need
+        """Whether the stop's checkpoint fits in what is left of the grace, agreed by every rank: the save is
+        collective, and ranks that had the signal at different times (or only from the others) must not split,
+        some saving while the rest exit."""
+        mine = 1.0
+        if self.stop.at is not None:
+            left = self.grace_s - (time.monotonic() - self.stop.at)
+            mine = 1.0 if left > (self.ckpt.last_save_s or 0.0) else 0.0
+        t = torch.tensor([mine], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t[0] > 0)
 
     # ---- the end ------------------------------------------------------------------------------------
 
