@@ -20,7 +20,9 @@ import yaml
 
 from supervisor.errors import ConfigError
 
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")  # a file name and a rendezvous id: kept well under 255 bytes
+NAME_RE = re.compile(r"^(?!\.+$)[A-Za-z0-9._-]{1,100}$")  # a file name (not . or ..) and a rendezvous id
+MAX_DURATION_S = 365 * 86400.0  # a timeout beyond a year is a typo, and overflows what takes it (timedelta, int ms)
+NAME_MAX_BYTES = 255  # one folder or file name, on every Linux filesystem
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HOST_RE = re.compile(r"^[A-Za-z0-9.:_-]{1,253}$")  # a host name, an IPv4 or an IPv6 address
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -258,8 +260,19 @@ def _parse_yaml(text: str, path: str) -> _Loc:
 Check = Callable[[_Loc, str], Any]
 
 
+def _plain(v: Any) -> Any:
+    """A located value as the user wrote it (no locations), for messages."""
+    if isinstance(v, _Loc):
+        return _plain(v.value)
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
 def _fail(loc: _Loc, key: str, must: str) -> ConfigError:
-    return ConfigError(f"{loc.where}: {key} must be {must}, got {loc.value!r}.")
+    return ConfigError(f"{loc.where}: {key} must be {must}, got {_plain(loc.value)!r}.")
 
 
 def _is_number(v: Any) -> bool:
@@ -294,9 +307,10 @@ def _duration(*, positive: bool = True) -> Check:
             seconds = float(v)
         elif isinstance(v, str) and (m := DURATION_RE.match(v)):
             seconds = float(m.group(1)) * DURATION_UNITS[m.group(2)]
-        if seconds is None or seconds < 0 or (positive and seconds == 0) or seconds != seconds:
+        if seconds is None or not 0 <= seconds <= MAX_DURATION_S or (positive and seconds == 0):
             bound = "> 0" if positive else "≥ 0"
-            raise _fail(loc, key, f"a duration {bound} in seconds (a number, or a string like 30s, 5m, 2h)")
+            raise _fail(loc, key, f"a duration {bound} and at most a year, in seconds (a number, or a string like "
+                                  "30s, 5m, 2h)")
         return seconds
 
     return check
@@ -336,6 +350,10 @@ def _string(pattern: re.Pattern[str], described: str) -> Check:
 def _path(loc: _Loc, key: str) -> str:
     if not isinstance(loc.value, str) or not loc.value.strip():
         raise _fail(loc, key, "a path (a non-empty string)")
+    if "\x00" in loc.value:
+        raise _fail(loc, key, "a path without a NUL character")
+    if any(len(part.encode()) > NAME_MAX_BYTES for part in loc.value.split("/")):
+        raise _fail(loc, key, f"a path whose every folder and file name is at most {NAME_MAX_BYTES} bytes")
     return loc.value
 
 
@@ -343,6 +361,8 @@ def _scalar_str(loc: _Loc, key: str) -> str:
     v = loc.value
     if isinstance(v, bool):
         return "1" if v else "0"
+    if isinstance(v, str) and "\x00" in v:
+        raise _fail(loc, key, "a string without a NUL character")
     if isinstance(v, (str, int, float)):
         return str(v)
     raise _fail(loc, key, "a string or number")
@@ -370,6 +390,7 @@ def _str_map(key_pattern: re.Pattern[str] | None = None) -> Check:
             out[name] = _scalar_str(item, f"{key}.{name}")
         return out
 
+    check.free_keys = True  # type: ignore[attr-defined]  # --set may name one of its keys
     return check
 
 
@@ -414,7 +435,7 @@ def _interval(loc: _Loc, key: str) -> int | None:
 
 # The schema: section -> key -> check. A nested dict is a section; its keys are checked the same way.
 SCHEMA: dict[str, Any] = {
-    "name": _string(NAME_RE, "1 to 100 letters, digits, '.', '_' or '-' (no spaces or slashes)"),
+    "name": _string(NAME_RE, "1 to 100 letters, digits, '.', '_' or '-' (no spaces or slashes, not only dots)"),
     "run_dir": _path,
     "entrypoint": {
         "module": _optional(_string(MODULE_RE, "a dotted Python module name, e.g. train_entry")),
@@ -544,6 +565,18 @@ def _apply_override(root: _Loc, ov: Override) -> None:
         if i == len(parts) - 1:
             node.value[part] = _to_loc(ov.value, where)
             return
+        if not isinstance(schema[part], dict):
+            if getattr(schema[part], "free_keys", False) and i == len(parts) - 2:  # env.NAME, rdzv.conf.NAME
+                child = node.value.get(part)
+                if child is None or not isinstance(child.value, dict):
+                    child = node.value[part] = _Loc({}, where)
+                child.value[parts[-1]] = _to_loc(ov.value, where)
+                return
+            if getattr(schema[part], "free_keys", False):
+                raise ConfigError(f"{where}: {dotted} takes one level of names ({ov.key} has more); write "
+                                  f"--set {dotted}.NAME=VALUE.")
+            raise ConfigError(f"{where}: {dotted} takes a value, not keys under it ({ov.key}); "
+                              f"write --set {dotted}=VALUE.")
         child = node.value.get(part)
         if child is None or not isinstance(child.value, dict):
             child = _Loc({}, where)

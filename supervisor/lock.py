@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-from supervisor.errors import RunLockedError, UsageError
+from supervisor.errors import ConfigError, RunLockedError, UsageError
 
 LOCK_FILE = "supervisor.lock"
 
@@ -111,8 +111,13 @@ class RootClaim:
     def acquire(self) -> RootClaim:
         """Take the claim or raise RunLockedError naming the other run."""
         owners = self.root / OWNERS_DIR
-        owners.mkdir(parents=True, exist_ok=True)
-        mutex = os.open(owners / "claim.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            owners.mkdir(parents=True, exist_ok=True)
+            mutex = os.open(owners / "claim.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:  # access() said writable, the filesystem says no (/sys, /proc, some FUSE mounts)
+            raise ConfigError(f"{self.root}: the checkpoint folder cannot be created or written there "
+                              f"({e.strerror or e}); nothing was launched. Point checkpoint.dir (or "
+                              "checkpoint.local_dir) at a writable folder.") from None
         try:
             fcntl.flock(mutex, fcntl.LOCK_EX)
             mine = self._name()

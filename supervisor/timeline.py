@@ -116,7 +116,6 @@ def plot(record: RunRecord, node_dir: Path, out: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     plt.close(fig)
     return out

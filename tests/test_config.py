@@ -73,6 +73,16 @@ def test_set_overrides_apply_before_validation(tmp_path):
     assert job.run_dir == tmp_path / "elsewhere"
     assert job.entrypoint.args == ("--steps", "5") and job.restart.backoff_s == 0.0
     assert parse_override("nnodes=2:3").value == "2:3"
+    job = load_job(path, ["env.FOO=1", "rdzv.conf.join_timeout=30"])  # a key of a free-form map
+    assert job.env["FOO"] == "1" and job.rdzv.conf["join_timeout"] == "30"
+
+
+def test_a_node_name_that_is_not_a_folder_name_is_refused_before_anything_is_created(tmp_path, cli):
+    path = write(tmp_path, GOOD)
+    for bad in ("../../escaped", "/tmp/abs", ".."):
+        result = cli("run", path, "--node", bad)
+        assert result.exit_code == 2 and "a node name is 1 to 100 letters" in result.stderr, result.output
+    assert not (tmp_path / "runs").exists()
 
 
 # (job text, override, expected line, expected words in the message)
@@ -127,6 +137,21 @@ BAD = {
                      ["rdzv.endpoint must be HOST:PORT"]),
     "section not a mapping": ("name: x\nentrypoint: {module: m}\nrestart: 3\n", None, 3,
                               ["restart must be a mapping"]),
+    # Values that validated, then crashed the launch in a traceback (or every rank: inf overflows timedelta).
+    "infinite duration": ("name: x\nentrypoint: {module: m}\nstop_timeout_s: .inf\n", None, 3,
+                          ["stop_timeout_s must be a duration > 0 and at most a year", "inf"]),
+    "huge duration": ("name: x\nentrypoint: {module: m}\ncollective_timeout_s: 1.0e+20\n", None, 3,
+                      ["collective_timeout_s must be a duration"]),
+    "NUL in a path": ('name: x\nentrypoint: {module: m}\nrun_dir: "a\\0b"\n', None, 3,
+                      ["run_dir must be a path without a NUL character"]),
+    "NUL in env": ('name: x\nentrypoint: {module: m}\nenv: {A: "x\\0y"}\n', None, 3,
+                   ["env.A must be a string without a NUL character"]),
+    "folder name over 255 bytes": (f"name: x\nentrypoint: {{module: m}}\nrun_dir: runs/{'a' * 256}\n", None, 3,
+                                   ["run_dir must be a path whose every folder and file name is at most 255 bytes"]),
+    "dots as a name": ("name: ..\nentrypoint: {module: m}\n", None, 1, ["name must be", "not only dots"]),
+    "a list in env": ("name: x\nentrypoint: {module: m}\nenv: {A: [1]}\n", None, 3,
+                      ["env.A must be a string or number, got [1]."]),
+    "--set under a value": (GOOD, "checkpoint.keep.x=5", None, ["checkpoint.keep takes a value, not keys"]),
 }
 
 
@@ -155,3 +180,13 @@ def test_missing_job_file_is_a_usage_error(tmp_path, cli):
 def test_config_errors_are_config_errors(tmp_path):
     with pytest.raises(ConfigError):
         load_job(write(tmp_path, "name: x\n"))
+
+
+def test_a_checkpoint_root_the_filesystem_refuses_is_one_sentence_and_nothing_is_launched(tmp_path, cli):
+    """/sys passes access() for root and refuses mkdir: the claim on the root once failed in a traceback."""
+    if not Path("/sys/kernel").is_dir():
+        pytest.skip("no sysfs here")
+    result = cli("run", write(tmp_path, GOOD), "--set", "checkpoint.dir=/sys/resilient-test-ckpt")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "/sys/resilient-test-ckpt: " in result.stderr and "nothing was launched" in result.stderr, result.stderr
+    assert not (tmp_path / "runs" / "tiny-gpt" / "state.json").exists()

@@ -137,6 +137,14 @@ def test_status_json_contract(tmp_path, cli):
     assert doc["ranks"][0]["alive"] is False  # no supervisor holds the run dir
 
 
+def test_status_plot_to_a_folder_or_into_a_missing_folder_is_one_sentence_and_creates_nothing(tmp_path, cli):
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=60, last_checkpoint_step=60, goodput=0.8)
+    for plot, words in ((tmp_path, "that is a folder"), (tmp_path / "nowhere" / "t.png", "does not exist")):
+        r = cli("status", tmp_path, "--plot", plot)
+        assert r.exit_code == 2 and words in r.stderr and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "nowhere").exists()
+
+
 def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
     _state_file(tmp_path, state=state.RunState.RUNNING)
     doc = json.loads(cli("status", tmp_path, "--json").stdout)

@@ -13,9 +13,9 @@ import time
 import psutil
 
 from supervisor import state
-from supervisor.config import JobConfig, load_job
+from supervisor.config import NAME_RE, JobConfig, load_job
 from supervisor.console import EventConsole
-from supervisor.errors import ConfigError
+from supervisor.errors import ConfigError, UsageError
 from supervisor.fsutil import write_problem
 from supervisor.layout import RunLayout, inside
 from supervisor.lock import RootClaim, RunLock
@@ -57,7 +57,13 @@ def node_name(cfg: JobConfig, node: str | None) -> str | None:
     name = node or os.environ.get("RESILIENT_NODE")
     if name is None and cfg.nnodes == "1":
         return None
-    return name or socket.gethostname()
+    name = name or socket.gethostname()
+    if not NAME_RE.match(name):
+        given = f"--node {name}" if node else f"RESILIENT_NODE={name}" if os.environ.get("RESILIENT_NODE") else \
+            f"the host name {name!r}"
+        raise UsageError(f"{given}: a node name is 1 to 100 letters, digits, '.', '_' or '-' (not only dots): it names "
+                         "the node's folder in the run dir; pass --node with such a name.")
+    return name
 
 
 ORPHAN_START_SLACK_S = 2.0

@@ -253,11 +253,27 @@ def wait_for_ranks(target: str | None, timeout_s: float, poll_s: float = 0.2) ->
         time.sleep(poll_s)
 
 
+def _plot_path(plot: str) -> Path:
+    """--plot's file, checked before anything is read: a folder, or a file in a folder that is not there, is a
+    usage error (the plot never creates folders)."""
+    path = Path(plot).expanduser()
+    if path.is_dir():
+        raise UsageError(f"--plot {plot}: that is a folder; pass a file name, e.g. {path / 'timeline.png'}.")
+    if not path.parent.is_dir():
+        raise UsageError(f"--plot {plot}: the folder {path.parent} does not exist; create it or pick another.")
+    return path
+
+
 def main(target: str | None, as_json: bool, watch: bool, *, plot: str | None = None,
          interval_s: float = 1.0, wait_ranks_s: float | None = None) -> int:
+    plot_path = _plot_path(plot) if plot is not None else None
     result = collect(target) if wait_ranks_s is None else wait_for_ranks(target, wait_ranks_s)
-    if plot is not None:
-        out = timeline.plot(result.primary.record, result.primary.node_dir, Path(plot))
+    if plot_path is not None:
+        try:
+            out = timeline.plot(result.primary.record, result.primary.node_dir, plot_path)
+        except OSError as e:
+            raise UsageError(f"--plot {plot}: cannot write it ({e.strerror or e}); pass a PNG path you can "
+                             "write.") from None
         render.err.print(f"timeline written to {out}")
     if as_json:
         render.print_json(result.to_json())
