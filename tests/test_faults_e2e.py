@@ -40,6 +40,8 @@ def test_a_full_disk_fails_the_save_never_validates_it_and_stops_as_a_crash_loop
     infos = store.scan(small_disk)
     assert [i.step for i in infos if i.valid] == [20, 40]
     assert all(not i.valid for i in infos if i.step > 40)
+    # Step 60's save failed: the ranks stopped there (async: within steps of it), not at the next save.
+    assert 60 <= doc["history"][0]["step_at_failure"] < 70, doc["history"][0]
 
 
 def test_a_collective_timeout_is_classified_and_recovered(tmp_path):

@@ -161,6 +161,11 @@ class Checkpointer:
                      "pinned" if self._stager.pin_memory else "pageable")
         return staged
 
+    def raise_if_failed(self) -> None:
+        """Raise CheckpointError at once if the background save has failed (a check of one attribute)."""
+        if self._error is not None:
+            self.wait()
+
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; raise CheckpointError if it failed."""
         if self._thread is not None:

@@ -365,6 +365,7 @@ class Session:
         value = 0.0 if loss is None else float(loss)
         if loss is not None and not math.isfinite(value):
             self._exit_nan(step, value)
+        self.ckpt.raise_if_failed()  # a failed background save ends the rank now, not an interval later
         now = time.monotonic()
         self._window_loss += value * weight
         self._window_weight += weight
