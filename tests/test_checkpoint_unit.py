@@ -229,3 +229,20 @@ def test_saves_and_loads_run_without_automatic_garbage_collection_and_restore_it
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_staging_keeps_containers_as_they_were_namedtuples_included():
+    """An optimizer or a user's Sharded state may hold a namedtuple: staging rebuilt every tuple from one list,
+    which a namedtuple's constructor refuses (every async save then failed, and every relaunch again)."""
+    import collections
+
+    import torch
+
+    from train_entry import staging
+
+    Pair = collections.namedtuple("Pair", "weight count")
+    sd = {"a": Pair(torch.arange(4.0), 3), "b": (torch.ones(2), [torch.zeros(1), "x"])}
+    staged = staging.HostStager(pin_memory=False).stage(sd)
+    assert type(staged["a"]) is Pair and staged["a"].count == 3 and torch.equal(staged["a"].weight, sd["a"].weight)
+    assert staged["a"].weight.data_ptr() != sd["a"].weight.data_ptr()  # a copy in the arena
+    assert type(staged["b"]) is tuple and type(staged["b"][1]) is list and staged["b"][1][1] == "x"

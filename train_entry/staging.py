@@ -49,7 +49,9 @@ def _walk(obj: Any, path: Path, visit: Callable[[Path, torch.Tensor], Any]) -> A
         return {k: _walk(v, (*path, k), visit) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         items = [_walk(v, (*path, i), visit) for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else type(obj)(items)
+        if isinstance(obj, list):
+            return items
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # a namedtuple takes fields
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return obj
     return copy.deepcopy(obj)
