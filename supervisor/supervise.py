@@ -152,6 +152,8 @@ class Supervisor:
             decision = self._decide(outcome, choice)
             if not decision.relaunch:
                 return self._failed(decision.message, outcome, spec)
+            if self._stop_signal is not None:  # the stop came with the failure: no restart to announce or count
+                return self._stopped(None)
             below = self._before_relaunch(decision)
 
     # ---- before an attempt ------------------------------------------------------------------------

@@ -507,6 +507,7 @@ def test_ranks_that_stopped_on_the_same_signal_as_the_supervisor_are_a_stop_not_
         assert "attempt 1 failed" not in result.stderr
     else:
         assert "attempt 1 failed" in result.stderr and doc["history"][0]["failed_rank"] == 1
+        assert "restart 1/" not in result.stderr and doc["restarts"] == 0  # none announced that never came
 
 
 def test_a_state_file_that_cannot_be_written_does_not_end_the_supervision(tmp_path, cli, monkeypatch):
