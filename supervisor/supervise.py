@@ -11,7 +11,6 @@ accounting, the `auto` interval, retention, and the checkpoints it sets aside.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ from supervisor.api import AttemptOutcome, AttemptSpec, Decision, ResumeChoice
 from supervisor.attempt import Attempt, Launcher
 from supervisor.config import JobConfig
 from supervisor.console import EventConsole
-from supervisor.errors import ExitCode
+from supervisor.errors import ConfigError, ExitCode
 from supervisor.fsutil import atomic_write_json
 from supervisor.goodput import Accounting
 from supervisor.interval import IntervalTuner
@@ -433,8 +432,12 @@ class Supervisor:
     def _load_record(self) -> RunRecord:
         prev: RunRecord | None = None
         if self.layout.state_file.is_file():
-            with contextlib.suppress(state.StateFileError):
+            try:
                 prev = state.read(self.layout.state_file)
+            except state.StateFileError as e:  # starting afresh would reuse attempt numbers, logs and step logs
+                raise ConfigError(f"{e}; nothing was launched. Run it with the resilient that wrote it, or move "
+                                  f"it aside (mv {self.layout.state_file} {self.layout.state_file}.old) to start "
+                                  "this run dir's record afresh.") from None
         self._prev_updated_at = prev.updated_at if prev else None
         rec = RunRecord(name=self.cfg.name, run_dir=".",  # paths relative to the run dir: layout.recorded
                         checkpoint_dir=recorded(self.cfg.checkpoint.dir, self.cfg.run_dir),

@@ -539,3 +539,19 @@ def test_a_state_file_that_cannot_be_written_does_not_end_the_supervision(tmp_pa
     assert result.stderr.count("No space left on device") == 1 and "state.json is written again" in result.stderr
     doc = json.loads((tmp_path / "runs/demo/state.json").read_text())
     assert doc["state"] == "succeeded" and [h["reason"] for h in doc["history"]] == ["worker_signal", "finished"]
+
+
+def test_a_state_file_this_version_cannot_read_stops_the_run_before_launching(tmp_path, cli, monkeypatch):
+    """Read as if absent, it once restarted the attempt numbers at 1 over the old logs and step logs, and lost
+    the history and the goodput ledger."""
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\n")
+    run_dir = tmp_path / "runs" / "demo"
+    run_dir.mkdir(parents=True)
+    (run_dir / "state.json").write_text(json.dumps({"schema_version": 0, "history": []}))
+    launches = []
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: lambda *a: launches.append(a))
+    result = cli("run", job)
+    assert result.exit_code == 2 and launches == [], result.output
+    assert "schema_version 0" in result.stderr and "nothing was launched" in result.stderr
+    assert json.loads((run_dir / "state.json").read_text())["schema_version"] == 0
