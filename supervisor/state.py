@@ -133,7 +133,11 @@ class RunRecord:
 
 
 class StateFileError(ValueError):
-    pass
+    """A state file this version cannot read; `other_version` when it is whole but another version's."""
+
+    def __init__(self, message: str, *, other_version: bool = False):
+        super().__init__(message)
+        self.other_version = other_version
 
 
 def write(path: Path, record: RunRecord) -> None:
@@ -152,7 +156,8 @@ def read(path: Path) -> RunRecord:
         raise StateFileError(f"{path}: unreadable ({e})") from None
     if not isinstance(d, dict) or d.get("schema_version") != SCHEMA_VERSION:
         version = d.get("schema_version") if isinstance(d, dict) else None
-        raise StateFileError(f"{path}: schema_version {version!r}, this resilient reads {SCHEMA_VERSION}")
+        raise StateFileError(f"{path}: schema_version {version!r}, this resilient reads {SCHEMA_VERSION}",
+                             other_version=isinstance(d, dict) and "schema_version" in d)
     try:
         rec = RunRecord.from_dict(d)
     except (TypeError, ValueError) as e:

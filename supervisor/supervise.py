@@ -178,7 +178,11 @@ class Supervisor:
         return choice
 
     def _next_attempt_number(self) -> int:
-        return (self.record.history[-1].attempt + 1) if self.record.history else 1
+        """After the last recorded attempt, and after every attempt's logs folder (a history lost with a damaged
+        state file must not make a new attempt write into an old one's logs and step log)."""
+        logged = [int(p.name.rpartition("_")[2]) for p in self.layout.node_dir.glob("logs/attempt_*")
+                  if p.name.rpartition("_")[2].isdigit()]
+        return max([self.record.history[-1].attempt if self.record.history else 0, *logged]) + 1
 
     def _next_spec(self, choice: ResumeChoice) -> AttemptSpec:
         attempt = self._next_attempt_number()
@@ -434,10 +438,15 @@ class Supervisor:
         if self.layout.state_file.is_file():
             try:
                 prev = state.read(self.layout.state_file)
-            except state.StateFileError as e:  # starting afresh would reuse attempt numbers, logs and step logs
-                raise ConfigError(f"{e}; nothing was launched. Run it with the resilient that wrote it, or move "
-                                  f"it aside (mv {self.layout.state_file} {self.layout.state_file}.old) to start "
-                                  "this run dir's record afresh.") from None
+            except state.StateFileError as e:
+                if e.other_version:  # another resilient's record: never read as absent, nor overwritten
+                    raise ConfigError(f"{e}; nothing was launched. Run it with the resilient that wrote it, or "
+                                      f"move it aside (mv {self.layout.state_file} {self.layout.state_file}.old) "
+                                      "to start this run dir's record afresh.") from None
+                kept = self.layout.state_file.with_name(f"{self.layout.state_file.name}.unreadable.{int(time.time())}")
+                os.replace(self.layout.state_file, kept)  # damaged (a crash of the machine): kept, not overwritten
+                self.console.event(f"{e}: kept as {kept.name}; this run's history starts afresh (the checkpoints "
+                                   "are read as always)", style="red")
         self._prev_updated_at = prev.updated_at if prev else None
         rec = RunRecord(name=self.cfg.name, run_dir=".",  # paths relative to the run dir: layout.recorded
                         checkpoint_dir=recorded(self.cfg.checkpoint.dir, self.cfg.run_dir),

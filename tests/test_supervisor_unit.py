@@ -555,3 +555,24 @@ def test_a_state_file_this_version_cannot_read_stops_the_run_before_launching(tm
     assert result.exit_code == 2 and launches == [], result.output
     assert "schema_version 0" in result.stderr and "nothing was launched" in result.stderr
     assert json.loads((run_dir / "state.json").read_text())["schema_version"] == 0
+
+
+def test_a_damaged_state_file_is_kept_aside_and_attempts_number_past_the_old_logs(tmp_path, cli, monkeypatch):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\n")
+    run_dir = tmp_path / "runs" / "demo"
+    (run_dir / "logs" / "attempt_4").mkdir(parents=True)
+    (run_dir / "state.json").write_bytes(b'{"schema_version": 1, "hist')  # a machine crash mid-write
+    launches = []
+
+    def launcher(cfg, spec, handover):
+        launches.append(spec.attempt)
+        h = FakeHandle(spec.logs_dir / "torchrun.log", rc=0)
+        h.log_path.write_text("")
+        return h
+
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launcher)
+    result = cli("run", job)
+    assert result.exit_code == 0 and launches == [5], result.output
+    kept = list(run_dir.glob("state.json.unreadable.*"))
+    assert len(kept) == 1 and kept[0].read_bytes().endswith(b'"hist') and "history starts afresh" in result.stderr
