@@ -136,3 +136,17 @@ def test_bf16_ema_and_loader_reshard_2_to_1_and_an_object_that_refuses_its_state
         restarted = w10[f"model.{n}"].lerp(w11[f"model.{n}"], 1.0 - decay)
         restarted_gap = max(restarted_gap, float((ema11[f"sharded.ema.{n}"] - restarted).abs().max()))
     assert restarted_gap > 1e-4, "the EMA looks restarted from the weights"
+
+
+def test_a_replicated_object_that_drifts_apart_stops_the_first_save_on_every_rank(tmp_path):
+    """Declared Replicated, counted differently on each rank: DCP would save one rank's copy and hand it to every
+    rank at the resume (the check at the start compares only freshly built objects). The save compares the
+    ranks' digests, and every rank stops with the object's name before anything is written."""
+    args = ["--steps", "20", "--ckpt-interval", "5", "--test-replicated-drift"]
+    with started(torchrun(2, args), tmp_path, log=tmp_path / "drift.log") as p:
+        assert p.wait(LAUNCH_TIMEOUT) == EXIT_CONFIG_TORCHRUN
+        out = p.output()
+    assert "cannot save: stateful 'test_drifts' (Drifts, Replicated) differs between the ranks" in out, out[-3000:]
+    assert out.count("exitcode  : 78") == 2, out[-3000:]
+    root = tmp_path / "checkpoints"
+    assert not root.exists() or store.latest_valid(root) is None

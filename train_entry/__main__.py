@@ -83,14 +83,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--test-log-samples", default=None, help="folder: each rank logs the sample ids it trains on")
     t.add_argument("--test-stateful-load-raises", action="store_true",
                    help="checkpoint one more stateful object, whose load_state_dict raises on resume")
+    t.add_argument("--test-replicated-drift", action="store_true",
+                   help="checkpoint a stateful object declared Replicated whose state drifts apart between ranks")
     args = p.parse_args(argv)
     if args.batch < 1 or args.steps < 0 or args.n_embd % args.n_head:
         p.error("need --batch ≥ 1, --steps ≥ 0, and --n-embd divisible by --n-head")
     return args
 
 
-def build(args: argparse.Namespace, session: Session, precision: Precision,
-          data: TokenStream) -> tuple[TrainState, EMA | None, StatefulLoader | None]:
+def build(args: argparse.Namespace, session: Session, precision: Precision, data: TokenStream,
+          hooks: TestHooks | None = None) -> tuple[TrainState, EMA | None, StatefulLoader | None]:
     """The model (FSDP2: each block, then the root), AdamW, warmup + cosine LR; the EMA, the loss scaler and
     the stateful loader where asked for, each checkpointed through `stateful=` as its state is spread."""
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
@@ -122,6 +124,8 @@ def build(args: argparse.Namespace, session: Session, precision: Precision,
         stateful["loader"] = PerRank(loader)  # each rank's own position; reshard_state_dict follows a new world
     if args.test_stateful_load_raises:
         stateful["test_refuses_load"] = Replicated(RefusesToLoad())
+    if hooks is not None and hooks.drifts is not None:
+        stateful["test_drifts"] = Replicated(hooks.drifts)
     if session.ctx.is_main and (stateful or precision.name != "fp32"):
         log.info("precision %s (%s); stateful objects: %s", precision.name, precision.how,
                  ", ".join(f"{name} ({type(d).__name__})" for name, d in stateful.items()) or "none")
@@ -137,6 +141,7 @@ class TestHooks:
         slow = (args.test_slow_rank or "").partition(":")
         self.extra_sleep = float(slow[2]) if slow[2] and int(slow[0]) == session.rank else 0.0
         self.samples = None
+        self.drifts = Drifts() if args.test_replicated_drift else None
         if args.test_log_samples:
             os.makedirs(args.test_log_samples, exist_ok=True)
             name = f"rank{session.rank}.pid{os.getpid()}.jsonl"
@@ -154,12 +159,27 @@ class TestHooks:
             torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the allocator's own out-of-memory error
         if self.armed and step == self.args.test_die_at_step:
             raise RuntimeError(f"test hook: injected failure at step {step}")
+        if self.drifts is not None:
+            self.drifts.count += 1 + self.session.rank
         if self.args.test_sleep_per_step:
             time.sleep(self.args.test_sleep_per_step)
 
     def before_beat(self) -> None:
         if self.extra_sleep:  # after the step's last collective: the other ranks wait at the step-end sync
             time.sleep(self.extra_sleep)
+
+
+class Drifts:
+    """Test hook: declared Replicated, yet each rank counts its own way (a user's mistake the save must catch)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = state["count"]
 
 
 class RefusesToLoad:
@@ -192,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     precision = Precision(args.precision, session.device, scaler_growth_interval=args.scaler_growth_interval)
     data = TokenStream(CorpusConfig(vocab_size=args.vocab, seq_len=args.seq_len,
                                     n_sequences=args.corpus_sequences, seed=args.seed + 1234))
-    state, ema, loader = build(args, session, precision, data)
     hooks = TestHooks(args, session)
+    state, ema, loader = build(args, session, precision, data, hooks)
     step = session.resume(state)
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     model.train()

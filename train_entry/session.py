@@ -18,6 +18,7 @@ The reference entry point (`python -m train_entry`) is written with exactly thes
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -437,13 +438,29 @@ class Session:
         self.beater.set_phase("save", now=sync)
         self.beater.update(saving_step=step)
         extra = {"samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen}
-        blocking = self.ckpt.save(step, lambda: state.state_dict(self.rank, self.device), sync=sync,
-                                  extra=extra)
+        blocking = self.ckpt.save(step, lambda: self._state_dict(state), sync=sync, extra=extra)
         self.last_saved_step = step
         self.beater.record_save(SaveRecord(step, time.time(), blocking))
         self.beater.update(saving_step=self.ckpt.in_flight)
         self.beater.set_phase("train")
         return blocking
+
+    def _state_dict(self, state: TrainState) -> dict[str, Any]:
+        """`state`'s state dict for a save, once every rank has checked that its Replicated objects are still
+        the same as the others' (one small all-reduce of their digests; with none, nothing): DCP would keep one
+        rank's copy and hand it to every rank at the resume. A drifted one ends every rank with EXIT_CONFIG."""
+        sd = state.state_dict(self.rank, self.device)
+        keys = state.replicated_keys()
+        if keys:
+            mine = [int.from_bytes(hashlib.blake2b(sd[k], digest_size=7).digest(), "little") for k in keys]
+            t = torch.tensor(mine + [-d for d in mine], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the largest and, negated, the smallest of each digest
+            for i, what in enumerate(keys.values()):
+                if int(t[i]) != -int(t[len(mine) + i]):
+                    self._exit_config("save", -1, f"{what} differs between the ranks, so it is not replicated: "
+                                      "only one rank's copy would be saved; declare it PerRank",
+                                      everyone_failed=True)
+        return sd
 
     def _grace_allows(self) -> bool:
         """Whether the stop's checkpoint fits in what is left of the grace, agreed by every rank: the save is

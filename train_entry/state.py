@@ -102,6 +102,11 @@ class TrainState:
         the digests of the replicated ones, for the ranks to compare."""
         return self._stateful.check()
 
+    def replicated_keys(self) -> dict[str, str]:
+        """The state dict's keys that every rank offers with the same bytes (DCP saves one rank's), with what
+        each holds."""
+        return self._stateful.replicated_keys()
+
     def stateful_differs(self, digests: list[dict[str, str]]) -> str | None:
         """Why the ranks' replicated states are not the same (a sentence), or None."""
         return self._stateful.differing(digests)

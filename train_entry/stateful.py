@@ -12,9 +12,10 @@ kind goes in the checkpoint, and why:
 
 - `Replicated`: one bytes leaf, `replicated.<name>` (torch.save of the state dict). Every rank offers the same
   key, so DCP writes one copy and every rank reads it back. A bytes leaf round-trips any structure exactly (a
-  dict whose keys change over the run, lists, numbers, small tensors). At resume the ranks compare digests
-  of their states: a state that differs between ranks is not replicated, and saving it under one key would
-  silently keep one rank's copy (FACTS.md), so the resume stops and says to declare it PerRank.
+  dict whose keys change over the run, lists, numbers, small tensors). At resume and at every save the ranks
+  compare digests of their states: a state that differs between ranks is not replicated, and saving it under
+  one key would silently keep one rank's copy (FACTS.md), so the resume or the save stops and says to declare
+  it PerRank.
 - `Sharded`: the state dict itself under `sharded.<name>.…`, DTensors included, so DCP writes each rank's
   shards and reshards them on load into the object's current `state_dict()` (the template): an EMA of
   FSDP2-sharded weights follows a world-size change like the model. Its keys must be the same at every
@@ -195,6 +196,11 @@ class StatefulSet:
             if isinstance(decl, Replicated):
                 digests[name] = hashlib.sha256(pack(state)).hexdigest()
         return digests
+
+    def replicated_keys(self) -> dict[str, str]:
+        """The checkpoint key of each Replicated object, with its description."""
+        return {f"replicated.{name}": self.describe(name, decl) for name, decl in self.declared.items()
+                if isinstance(decl, Replicated)}
 
     def differing(self, digests: list[dict[str, str]]) -> str | None:
         """The sentence for the first Replicated object whose digest differs between ranks (`digests` is
