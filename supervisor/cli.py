@@ -140,6 +140,8 @@ def gc(
     as_json: bool = JSON,
     keep_local: Optional[int] = typer.Option(  # noqa: UP045
         None, "--keep-local", help="In each node-local tier: how many to keep (default: the job's keep_local)."),
+    verify: bool = typer.Option(False, "--verify", help="First re-read every byte of the checkpoints it would "
+                                "keep; one that does not match its checksums is not kept in place of older ones."),
 ) -> None:
     """Keep the N newest valid checkpoints; delete the rest and abandoned partial saves."""
 
@@ -148,7 +150,7 @@ def gc(
 
         if keep_local is not None and keep_local < 1:
             raise UsageError(f"--keep-local {keep_local}: keep at least 1.")
-        return gc_cmd.main(target, keep, dry_run, as_json, keep_local)
+        return gc_cmd.main(target, keep, dry_run, as_json, keep_local, verify)
 
     _guard(as_json, body, reads_files=True)
 

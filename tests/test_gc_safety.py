@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from supervisor import state, store
-from tests.ckpt_helpers import write_checkpoint
+from tests.ckpt_helpers import flip_byte, write_checkpoint
 
 NOBODY = 65534
 
@@ -150,3 +150,20 @@ def test_gc_names_a_local_tier_outside_the_run_dir_before_deleting_in_it(tmp_pat
     r = cli("gc", run_dir, "--keep", "1", "--keep-local", "1")
     lines = r.stdout.splitlines()
     assert lines[0] == f"checkpoint root {run_dir / 'checkpoints'}" and f"local tier of node a: {nvme}" in lines
+
+
+def test_gc_verify_keeps_an_older_whole_checkpoint_when_the_newest_has_a_flipped_byte(tmp_path, cli):
+    """Sizes alone (the default) cannot see a flipped byte in a large shard: gc would keep the damaged newest and
+    delete the older whole one. With --verify the kept ones are read to the last byte first."""
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        write_checkpoint(root, step, size=store.SMALL_FILE_BYTES + 1)
+    flip_byte(root / store.step_dirname(2) / "__0_0.distcp")
+    doc = json.loads(cli("gc", root, "--keep", "1", "--dry-run", "--json").stdout)
+    assert doc["kept"] == [2] and [x["step"] for x in doc["removed"]] == [1]  # what the default would do
+    r = cli("gc", root, "--keep", "1", "--verify", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["kept"] == [1] and [x["step"] for x in doc["removed"]] == [2], doc
+    assert "checksum mismatch" in doc["removed"][0]["why"]
+    assert store.inspect(root / store.step_dirname(1), deep=True).valid

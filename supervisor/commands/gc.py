@@ -90,7 +90,8 @@ def owner_alive(run_dir: Path | None) -> bool:
     return run_dir is not None and any(lock.holder(d) for d in [run_dir, *layout.node_dirs(run_dir)])
 
 
-def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local: int | None = None) -> int:
+def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local: int | None = None,
+         verify: bool = False) -> int:
     if keep < 1:
         raise UsageError(f"--keep {keep}: keep at least 1 (the newest valid checkpoint is never deleted).")
     t = targets.resolve(target)
@@ -103,7 +104,7 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local
     else:
         render.out.print(note, markup=False, soft_wrap=True)
     with _replication_paused(root) if root is not None and not dry_run else contextlib.nullcontext():
-        return _collect(t, root, keep, dry_run, as_json, keep_local)
+        return _collect(t, root, keep, dry_run, as_json, keep_local, verify)
 
 
 @contextlib.contextmanager
@@ -124,14 +125,31 @@ def _replication_paused(root: Path) -> Iterator[None]:
         time.sleep(0.1)
 
 
+def _verified(infos: list[store.CheckpointInfo], keep: int) -> list[store.CheckpointInfo]:
+    """Re-read every byte of the newest valid checkpoints until `keep` of them match their checksums: one that
+    does not takes its real status (corrupt), and the next older valid one is read in its place."""
+    out, whole = list(infos), 0
+    for i in range(len(out) - 1, -1, -1):
+        if whole >= keep:
+            break
+        if out[i].valid:
+            out[i] = store.inspect(out[i].path, deep=True)
+            whole += out[i].valid
+    return out
+
+
 def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_json: bool,
-             keep_local: int | None) -> int:
+             keep_local: int | None, verify: bool = False) -> int:
     infos = store.scan(root, quarantined=True) if root is not None else []
+    if verify:  # before anything is judged: a checkpoint kept in place of older ones must be whole to its bytes
+        infos = _verified(infos, keep)
     plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=owner_alive(t.run_dir))
     local = []
     durable = {i.step for i in infos if i.valid}
     for node, lroot in targets.local_tiers(t):  # planned before anything is deleted anywhere
         linfos = store.scan(lroot, quarantined=True)
+        if verify:
+            linfos = _verified(linfos, keep_local or targets.keep_local_of(t))
         lplan, held = split_unreplicated(retention.plan(lroot, linfos, keep_local or targets.keep_local_of(t),
                                                         owner_alive=owner_alive(t.run_dir)), linfos, durable)
         by_path = {i.path: i for i in linfos}
