@@ -135,7 +135,8 @@ def inspect_checkpoint(
 @app.command()
 def gc(
     target: Optional[str] = TARGET,  # noqa: UP045
-    keep: int = typer.Option(..., "--keep", help="How many of the newest valid checkpoints to keep (≥ 1)."),
+    keep: Optional[int] = typer.Option(  # noqa: UP045  # required: checked in the body, so --json reports it
+        None, "--keep", help="How many of the newest valid checkpoints to keep (≥ 1; required)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be removed; remove nothing."),
     as_json: bool = JSON,
     keep_local: Optional[int] = typer.Option(  # noqa: UP045
@@ -148,6 +149,8 @@ def gc(
     def body() -> int:
         from supervisor.commands import gc as gc_cmd
 
+        if keep is None:
+            raise UsageError("gc needs --keep N: how many of the newest valid checkpoints to keep (at least 1).")
         if keep_local is not None and keep_local < 1:
             raise UsageError(f"--keep-local {keep_local}: keep at least 1.")
         return gc_cmd.main(target, keep, dry_run, as_json, keep_local, verify)

@@ -93,6 +93,9 @@ def test_gc_usage_errors(tmp_path, cli):
     assert r.exit_code == 2 and "no such file or folder" in r.stderr
     r = cli("gc", tmp_path / "missing", "--keep", "1", "--json")
     assert r.exit_code == 2 and json.loads(r.stdout)["exit_code"] == 2
+    r = cli("gc", tmp_path, "--json")  # JSON mode: the error as JSON on stdout, like every failure
+    assert r.exit_code == 2 and "needs --keep N" in json.loads(r.stdout)["error"]
+    assert (tmp_path / "step_000000001").exists()
 
 
 def test_gc_spares_partials_of_a_live_run(tmp_path, cli):
