@@ -35,6 +35,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -417,8 +418,24 @@ class Replicator:
                 if not self._try_commit(step, partial, manifest):
                     break
                 copy = True
-        finally:
+        except BaseException:
             os.close(live)
+            self._reclaim(partial)
+            raise
+        else:
+            os.close(live)
+
+    def _reclaim(self, partial: Path) -> None:
+        """After a failed copy: a durable partial that no node's part vouches for and no writer is in goes, so a
+        full durable tier gets its room back (the next try copies a newer step, and would find none left)."""
+        aside = None
+        with contextlib.suppress(OSError), root_lock(self.durable_root, fcntl.LOCK_EX | fcntl.LOCK_NB) as free:
+            if free and partial.is_dir() and not any((partial / PARTS).glob("*.json")) \
+                    and store.writer_alive(partial) is None:
+                aside = store.aside_path(partial)
+                os.rename(partial, aside)
+        if aside is not None:  # deleted after the lock: a node waits for the rename only
+            shutil.rmtree(aside, ignore_errors=True)
 
     def _copy_part(self, step: int, local: Path, partial: Path, mine: Path, manifest: store.Manifest) -> None:
         """Copy (or find whole) every file of this node's local checkpoint, then write its part, which names

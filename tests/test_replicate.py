@@ -424,3 +424,21 @@ def test_the_periodic_look_queues_an_unannounced_commit_without_scanning_the_dur
     assert not [p for p in looked if p.is_relative_to(tmp_path / "durable")], looked
     r._revisit(thorough=True)  # at exit: both tiers validated
     assert [p for p in looked if p.is_relative_to(tmp_path / "durable")]
+
+
+def test_a_copy_that_failed_on_a_full_durable_tier_gives_its_room_back(tmp_path, small_disk):
+    """Each failed copy left its finished files in its partial, which nothing removed (no newer step became
+    durable): a durable tier that was full once stayed full after room came back."""
+    ranks = {"a": [0, 1]}  # two 2 MiB shards a checkpoint: one fits beside the filler, not both
+    local = tmp_path / "local-a"
+    for step in (10, 20):
+        local_checkpoint(local, step, "a", ranks)
+    r = Replicator(local, small_disk, "a", keep_local=2, keep=3, outage_s=3600.0)
+    filler = small_disk / "filler"
+    filler.write_bytes(bytes(2 << 20))
+    with pytest.raises(OSError):
+        r._replicate(10)
+    assert not (small_disk / store.partial_dirname(10)).exists()
+    filler.unlink()  # room again: enough for one checkpoint, had the failed copy not kept half of one
+    r._replicate(20)
+    assert store.inspect(small_disk / store.step_dirname(20), deep=True).valid
