@@ -391,8 +391,12 @@ class Replicator:
         mine = self._part(step)
         self.durable_root.mkdir(parents=True, exist_ok=True)
         with root_lock(self.durable_root, fcntl.LOCK_SH):  # the partial as before a publish or a removal, or none
-            if store.inspect(final).valid if final.is_dir() else False:
+            done = store.inspect(final) if final.is_dir() else None
+            if done is not None and done.valid and done.manifest is not None \
+                    and _save_of(done.manifest.files) == _save_of(manifest.files):
                 return  # another node completed it
+            # (valid, yet another save of this step number: the one a rollback re-made replaces it, once every
+            # node's part of the new save is there)
             if step < max(self._durable_valid(), default=-1):
                 return  # superseded while queued: a newer step is durable (and this partial may be retention's now)
             partial.mkdir(exist_ok=True)

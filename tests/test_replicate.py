@@ -228,6 +228,30 @@ def test_a_part_of_an_earlier_save_of_the_same_step_is_never_published_with_a_ne
         assert (final / name).read_bytes() == new.read_bytes(), name
 
 
+def test_a_step_saved_again_after_a_rollback_replaces_its_durable_copy(tmp_path):
+    """A NaN after step 20 rolls the job back below it; step 20 is saved again, other bytes. The durable step 20
+    is the one the NaN followed: the new save replaces it once every node's part is there (it was taken for
+    'another node completed it', and the durable tier kept the old save for good)."""
+    for node in NODES:
+        local_checkpoint(tmp_path / f"local-{node}", 20, node)
+    a, b = replicator(tmp_path, "a"), replicator(tmp_path, "b")
+    a._replicate(20)
+    b._replicate(20)
+    final = tmp_path / "durable" / store.step_dirname(20)
+    old = store.inspect(final).manifest
+    for node in NODES:  # the rollback's new save of step 20
+        shutil.rmtree(tmp_path / f"local-{node}")
+        local_checkpoint(tmp_path / f"local-{node}", 20, node, salt="-again")
+    a._replicate(20)
+    assert store.inspect(final).manifest == old  # b's part of the new save is not there yet
+    b._replicate(20)
+    info = store.inspect(final, deep=True)
+    assert info.valid and info.manifest != old
+    for node, name in (("a", "__0_0.distcp"), ("b", "__2_0.distcp"), ("a", ".metadata")):
+        assert (final / name).read_bytes() == (tmp_path / f"local-{node}" / store.step_dirname(20) / name).read_bytes()
+    assert not list((tmp_path / "durable").glob("*.partial"))
+
+
 def test_a_node_done_with_its_parts_waits_briefly_for_another_node_to_publish(tmp_path, monkeypatch):
     """At exit, node b's parts are there but node a has not added its own: b waits for a's publish (so its retention
     and state see the step durable), and not long when a never comes."""
