@@ -233,6 +233,15 @@ def _marker_checksum(doc: dict[str, Any], algorithm: str) -> str:
     return h.hexdigest()
 
 
+def save_identity(files: Iterable[FileRecord]) -> str:
+    """What tells two saves of one step number apart, alike in every node's folder of one save: the checksums of
+    the files every node holds (DCP's metadata, every rank's small file), never the data files (each node's own)."""
+    h = hashlib.sha256()
+    for name, checksum in sorted((f.name, f.checksum) for f in files if not f.name.endswith(DATA_SUFFIX)):
+        h.update(f"{name}\0{checksum}\n".encode())
+    return h.hexdigest()[:16]
+
+
 def iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="milliseconds")
 

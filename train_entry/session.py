@@ -217,36 +217,49 @@ class Session:
                     info.reason if info else "missing", fallback.step if fallback else "a fresh start")
         return fallback.step if fallback else None
 
-    def _local_offer(self) -> tuple[int | None, str]:
-        """The local step this rank could read, or None and why not."""
+    def _local_offer(self) -> tuple[dict[int, str], str]:
+        """The local steps this rank could read, up to the one its supervisor handed over (checked there), each
+        with the identity of its save (store.save_identity); or none and why not."""
         h = self.handover
         if not self.ckpt.local:
-            return None, "no local tier"
+            return {}, "no local tier"
         if h.local_resume_step is None:
-            return None, f"node {self.ckpt.node} has no local checkpoint"
-        info = store.inspect(self.ckpt.root / store.step_dirname(h.local_resume_step))
-        if not info.valid:
-            return None, f"node {self.ckpt.node}'s local step {h.local_resume_step} is {info.status.value}"
-        held = (info.manifest.extra.get("ranks") or {}).get(self.ckpt.node, []) if info.manifest else []
-        if info.world_size != self.world_size or self.rank not in held:
-            return None, (f"the world changed since local step {h.local_resume_step} (saved by {info.world_size} "
-                          f"ranks, rank {self.rank} {'held' if self.rank in held else 'not held'} on node "
-                          f"{self.ckpt.node})")
-        return h.local_resume_step, ""
+            return {}, f"node {self.ckpt.node} has no local checkpoint"
+        offer: dict[int, str] = {}
+        why = ""
+        for path in reversed(store.checkpoint_dirs(self.ckpt.root)):
+            m = store.STEP_RE.match(path.name)
+            if m is None or int(m.group(1)) > h.local_resume_step:
+                continue
+            step, info = int(m.group(1)), store.inspect(path)
+            held = (info.manifest.extra.get("ranks") or {}).get(self.ckpt.node, []) if info.manifest else []
+            if not info.valid:
+                why = why or f"node {self.ckpt.node}'s local step {step} is {info.status.value}"
+            elif info.world_size != self.world_size or self.rank not in held:
+                why = why or (f"the world changed since local step {step} (saved by {info.world_size} ranks, rank "
+                              f"{self.rank} {'held' if self.rank in held else 'not held'} on node {self.ckpt.node})")
+            else:
+                assert info.manifest is not None
+                offer[step] = store.save_identity(info.manifest.files)
+        return offer, why
 
-    def _tier(self, durable_step: int | None, offers: list[tuple[int | None, str]]) -> tuple[int | None, str, str]:
-        """The step to load, its tier and why: the local one every rank offers, unless older than `durable_step`."""
+    def _tier(self, durable_step: int | None, offers: list[tuple[dict[int, str], str]]) -> tuple[int | None, str, str]:
+        """The step to load, its tier and why: the newest local step every rank offers as the same save (two
+        nodes may hold different saves of one step number), unless older than `durable_step`."""
         if not self.ckpt.local:
             return durable_step, "durable", "one tier"
-        steps = {step for step, _ in offers}
-        if None in steps:
-            return durable_step, "durable", next(why for step, why in offers if step is None)
-        if len(steps) > 1:
-            return durable_step, "durable", f"the nodes hold different local steps {sorted(steps)}"
-        local = steps.pop()
+        empty = next((why for offer, why in offers if not offer), None)
+        if empty is not None:
+            return durable_step, "durable", empty
+        common = set.intersection(*(set(offer.items()) for offer, _ in offers))
+        newest = sorted({max(offer) for offer, _ in offers})
+        if not common:
+            return durable_step, "durable", f"the nodes hold no local step in common (their newest: {newest})"
+        local = max(step for step, _ in common)
         if durable_step is not None and local < durable_step:
             return durable_step, "durable", f"the local step {local} is older than the durable step {durable_step}"
-        return local, "local", f"every node holds step {local} whole"
+        behind = "" if newest == [local] else f" (the nodes' newest local steps: {newest})"
+        return local, "local", f"every node holds step {local} whole{behind}"
 
     def resume(self, state: TrainState) -> int:
         """Load the agreed checkpoint into `state` (resharding if the world size changed); return the step

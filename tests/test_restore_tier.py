@@ -1,0 +1,64 @@
+"""Which tier a relaunch reads, on real local-tier folders: the newest step every node holds whole *as the same
+save*, not only each node's newest (train_entry.session: what each rank offers, and rank 0's choice)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+from supervisor import store
+from tests.ckpt_helpers import flip_byte
+from tests.test_replicate import NODES, local_checkpoint
+from train_entry.session import Session
+
+RANK_OF = {"a": 0, "b": 2}  # a rank each node holds (NODES: a has 0 and 1, b has 2 and 3)
+
+
+def offer(tmp_path: Path, node: str, handed: int | None) -> tuple[dict[int, str], str]:
+    me = SimpleNamespace(handover=SimpleNamespace(local_resume_step=handed), world_size=4, rank=RANK_OF[node],
+                         ckpt=SimpleNamespace(local=True, root=tmp_path / f"local-{node}", node=node))
+    return Session._local_offer(me)  # type: ignore[arg-type]
+
+
+def choose(durable: int | None, offers: list[tuple[dict[int, str], str]]) -> tuple[int | None, str, str]:
+    return Session._tier(SimpleNamespace(ckpt=SimpleNamespace(local=True)), durable, offers)  # type: ignore[arg-type]
+
+
+def test_a_node_whose_newest_local_step_is_damaged_still_resumes_both_from_an_older_common_one(tmp_path):
+    """Node b's step 80 is damaged (its supervisor set it aside and handed over 60); both hold 60 whole. Comparing
+    the nodes' newest steps only, the relaunch went back to the durable step 20: 40 steps lost for nothing."""
+    for node in NODES:
+        for step in (60, 80):
+            local_checkpoint(tmp_path / f"local-{node}", step, node)
+    flip_byte(tmp_path / "local-b" / store.step_dirname(80) / ".metadata", 2)
+    offers = [offer(tmp_path, "a", 80), offer(tmp_path, "b", 60)]
+    assert sorted(offers[0][0]) == [60, 80] and sorted(offers[1][0]) == [60]
+    step, tier, why = choose(20, offers)
+    assert (step, tier) == (60, "local") and why == "every node holds step 60 whole (the nodes' newest local " \
+                                                   "steps: [60, 80])"
+    assert choose(70, offers)[:2] == (70, "durable")  # a newer durable step wins, as before
+
+
+def test_two_saves_of_one_step_number_on_two_nodes_are_never_mixed(tmp_path):
+    """Node a kept the first save of step 40; node b holds a second one (its job resumed from 20 and saved 40
+    again, while a's new save of 40 never committed). Loading 'step 40' would take each node's shards from
+    another training state: the nodes agree on step 20, the newest they hold as one save."""
+    for node in NODES:
+        local_checkpoint(tmp_path / f"local-{node}", 20, node)
+        local_checkpoint(tmp_path / f"local-{node}", 40, node)
+    shutil.rmtree(tmp_path / "local-b" / store.step_dirname(40))
+    local_checkpoint(tmp_path / "local-b", 40, "b", salt="-again")
+    offers = [offer(tmp_path, "a", 40), offer(tmp_path, "b", 40)]
+    assert offers[0][0][20] == offers[1][0][20] and offers[0][0][40] != offers[1][0][40]
+    assert choose(None, offers)[:2] == (20, "local")
+    shutil.rmtree(tmp_path / "local-a" / store.step_dirname(20))
+    shutil.rmtree(tmp_path / "local-b" / store.step_dirname(20))
+    step, tier, why = choose(10, [offer(tmp_path, "a", 40), offer(tmp_path, "b", 40)])
+    assert (step, tier) == (10, "durable") and why == "the nodes hold no local step in common (their newest: [40])"
+
+
+def test_a_node_with_no_local_checkpoint_sends_every_rank_to_the_durable_tier(tmp_path):
+    local_checkpoint(tmp_path / "local-a", 20, "a")
+    offers = [offer(tmp_path, "a", 20), offer(tmp_path, "b", None)]
+    assert choose(10, offers) == (10, "durable", "node b has no local checkpoint")
