@@ -152,13 +152,33 @@ def test_gc_names_a_local_tier_outside_the_run_dir_before_deleting_in_it(tmp_pat
     assert lines[0] == f"checkpoint root {run_dir / 'checkpoints'}" and f"local tier of node a: {nvme}" in lines
 
 
-def test_gc_verify_keeps_an_older_whole_checkpoint_when_the_newest_has_a_flipped_byte(tmp_path, cli):
+def test_gc_verify_keeps_an_older_whole_checkpoint_when_the_newest_has_a_flipped_byte(tmp_path, cli, monkeypatch):
     """Sizes alone (the default) cannot see a flipped byte in a large shard: gc would keep the damaged newest and
-    delete the older whole one. With --verify the kept ones are read to the last byte first."""
+    delete the older whole one. With --verify the kept ones are read to the last byte first, before gc takes the
+    replication lock (the nodes' supervisors wait on it while gc holds it)."""
+    import fcntl
+
+    from supervisor.replicate import ROOT_LOCK
+
     root = tmp_path / "ckpt"
     for step in (1, 2):
         write_checkpoint(root, step, size=store.SMALL_FILE_BYTES + 1)
     flip_byte(root / store.step_dirname(2) / "__0_0.distcp")
+    (root / ROOT_LOCK).touch()  # a tiered run replicates into this root
+    real_inspect, read_under_lock = store.inspect, []
+
+    def inspect(path, *, deep=False, progress=None):
+        if deep:
+            fd = os.open(root / ROOT_LOCK, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                read_under_lock.append(path)
+            finally:
+                os.close(fd)
+        return real_inspect(path, deep=deep, progress=progress)
+
+    monkeypatch.setattr(store, "inspect", inspect)
     doc = json.loads(cli("gc", root, "--keep", "1", "--dry-run", "--json").stdout)
     assert doc["kept"] == [2] and [x["step"] for x in doc["removed"]] == [1]  # what the default would do
     r = cli("gc", root, "--keep", "1", "--verify", "--json")
@@ -167,3 +187,4 @@ def test_gc_verify_keeps_an_older_whole_checkpoint_when_the_newest_has_a_flipped
     assert doc["kept"] == [1] and [x["step"] for x in doc["removed"]] == [2], doc
     assert "checksum mismatch" in doc["removed"][0]["why"]
     assert store.inspect(root / store.step_dirname(1), deep=True).valid
+    assert read_under_lock == []

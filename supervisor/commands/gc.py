@@ -103,8 +103,15 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local
             render.err.print(f"resilient: {note}", markup=False, soft_wrap=True)
     else:
         render.out.print(note, markup=False, soft_wrap=True)
+    deep = None
+    if verify:  # read before the replication lock, which the nodes' supervisors wait on while gc holds it
+        deep = DeepReads()
+        if root is not None:
+            deep.read(store.scan(root), keep)
+        for _node, lroot in targets.local_tiers(t):
+            deep.read(store.scan(lroot), keep_local or targets.keep_local_of(t))
     with _replication_paused(root) if root is not None and not dry_run else contextlib.nullcontext():
-        return _collect(t, root, keep, dry_run, as_json, keep_local, verify)
+        return _collect(t, root, keep, dry_run, as_json, keep_local, deep)
 
 
 @contextlib.contextmanager
@@ -125,31 +132,49 @@ def _replication_paused(root: Path) -> Iterator[None]:
         time.sleep(0.1)
 
 
-def _verified(infos: list[store.CheckpointInfo], keep: int) -> list[store.CheckpointInfo]:
-    """Re-read every byte of the newest valid checkpoints until `keep` of them match their checksums: one that
-    does not takes its real status (corrupt), and the next older valid one is read in its place."""
-    out, whole = list(infos), 0
-    for i in range(len(out) - 1, -1, -1):
-        if whole >= keep:
-            break
-        if out[i].valid:
-            out[i] = store.inspect(out[i].path, deep=True)
-            whole += out[i].valid
-    return out
+class DeepReads:
+    """`--verify`: the newest valid checkpoints read to the last byte until `keep` of them match their checksums
+    (one that does not takes its real status, corrupt, and the next older one is read in its place). Read once
+    before the replication lock; under it, a folder whose marker is still the one read is not read again."""
+
+    def __init__(self) -> None:
+        self._read: dict[Path, tuple[list[int] | None, store.CheckpointInfo]] = {}
+
+    @staticmethod
+    def _marker(path: Path) -> list[int] | None:
+        try:
+            st = (path / store.MARKER).stat()
+        except OSError:
+            return None
+        return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+    def read(self, infos: list[store.CheckpointInfo], keep: int) -> list[store.CheckpointInfo]:
+        out, whole = list(infos), 0
+        for i in range(len(out) - 1, -1, -1):
+            if whole >= keep:
+                break
+            if out[i].valid:
+                path, marker = out[i].path, self._marker(out[i].path)
+                seen = self._read.get(path)
+                if seen is None or seen[0] != marker:
+                    seen = self._read[path] = (marker, store.inspect(path, deep=True))
+                out[i] = seen[1]
+                whole += out[i].valid
+        return out
 
 
 def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_json: bool,
-             keep_local: int | None, verify: bool = False) -> int:
+             keep_local: int | None, deep: DeepReads | None = None) -> int:
     infos = store.scan(root, quarantined=True) if root is not None else []
-    if verify:  # before anything is judged: a checkpoint kept in place of older ones must be whole to its bytes
-        infos = _verified(infos, keep)
+    if deep is not None:  # before anything is judged: a checkpoint kept in place of older ones is whole to its bytes
+        infos = deep.read(infos, keep)
     plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=owner_alive(t.run_dir))
     local = []
     durable = {i.step for i in infos if i.valid}
     for node, lroot in targets.local_tiers(t):  # planned before anything is deleted anywhere
         linfos = store.scan(lroot, quarantined=True)
-        if verify:
-            linfos = _verified(linfos, keep_local or targets.keep_local_of(t))
+        if deep is not None:
+            linfos = deep.read(linfos, keep_local or targets.keep_local_of(t))
         lplan, held = split_unreplicated(retention.plan(lroot, linfos, keep_local or targets.keep_local_of(t),
                                                         owner_alive=owner_alive(t.run_dir)), linfos, durable)
         by_path = {i.path: i for i in linfos}
