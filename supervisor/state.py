@@ -133,11 +133,12 @@ class RunRecord:
 
 
 class StateFileError(ValueError):
-    """A state file this version cannot read; `other_version` when it is whole but another version's."""
+    """A state file this version cannot read; `damaged` when its bytes are no state file of any version (a machine
+    that crashed mid-write), as against another version's file or one the filesystem would not give."""
 
-    def __init__(self, message: str, *, other_version: bool = False):
+    def __init__(self, message: str, *, damaged: bool = False):
         super().__init__(message)
-        self.other_version = other_version
+        self.damaged = damaged
 
 
 def write(path: Path, record: RunRecord) -> None:
@@ -152,16 +153,18 @@ def read(path: Path) -> RunRecord:
     """Read a state file; StateFileError for a file this version cannot read."""
     try:
         d = read_json(path)
-    except (OSError, ValueError) as e:
-        raise StateFileError(f"{path}: unreadable ({e})") from None
+    except OSError as e:
+        raise StateFileError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise StateFileError(f"{path}: not JSON ({e})", damaged=True) from None
     if not isinstance(d, dict) or d.get("schema_version") != SCHEMA_VERSION:
         version = d.get("schema_version") if isinstance(d, dict) else None
         raise StateFileError(f"{path}: schema_version {version!r}, this resilient reads {SCHEMA_VERSION}",
-                             other_version=isinstance(d, dict) and "schema_version" in d)
+                             damaged=not isinstance(d, dict) or "schema_version" not in d)
     try:
         rec = RunRecord.from_dict(d)
     except (TypeError, ValueError) as e:
-        raise StateFileError(f"{path}: malformed ({e})") from None
+        raise StateFileError(f"{path}: malformed ({e})", damaged=True) from None
     _relative_paths(rec)
     return rec
 

@@ -152,6 +152,7 @@ class Supervisor:
             if not decision.relaunch:
                 return self._failed(decision.message, outcome, spec)
             if self._stop_signal is not None:  # the stop came with the failure: no restart to announce or count
+                self._set_aside(decision)
                 return self._stopped(None)
             below = self._before_relaunch(decision)
 
@@ -373,14 +374,14 @@ class Supervisor:
         self.console.event(f"checking every byte of {path.name}, which the ranks could not load", style="yellow")
         info = store.inspect(path, deep=True) if path.is_dir() else None
         older = store.latest_valid(root, below=step)
-        corrupt = None if info is not None and info.valid else (info.reason if info else "the folder is gone")
+        # Unreadable here says nothing of its bytes: it is set aside only as whole yet failing to load twice.
+        whole = info is not None and (info.valid or info.status is store.Status.UNREADABLE)
+        corrupt = None if whole else (info.reason if info else "the folder is gone")
         return LoadFailure(step, corrupt, older.step if older else None)
 
     def _before_relaunch(self, decision: Decision) -> int | None:
         """Set aside what the decision says, wait the backoff; returns the step to resume below, if any."""
-        if decision.quarantine_step is not None:
-            root = self.local_root if decision.quarantine_local and self.local_root else self.cfg.checkpoint.dir
-            self._quarantine(root / store.step_dirname(decision.quarantine_step), decision.quarantine)
+        self._set_aside(decision)
         self.record.restarts = self._restarts_before + self.policy.restarts
         self._transition(RunState.RESTARTING)
         if decision.resume_below is not None:
@@ -389,6 +390,11 @@ class Supervisor:
         if self._wake.wait(decision.wait_s):
             self._wake.clear()
         return decision.resume_below
+
+    def _set_aside(self, decision: Decision) -> None:
+        if decision.quarantine_step is not None:
+            root = self.local_root if decision.quarantine_local and self.local_root else self.cfg.checkpoint.dir
+            self._quarantine(root / store.step_dirname(decision.quarantine_step), decision.quarantine)
 
     def _quarantine(self, path: Any, reason: str) -> Any:
         """Rename a checkpoint aside with its reason (never delete it); None if another node did it first."""
@@ -439,10 +445,11 @@ class Supervisor:
             try:
                 prev = state.read(self.layout.state_file)
             except state.StateFileError as e:
-                if e.other_version:  # another resilient's record: never read as absent, nor overwritten
-                    raise ConfigError(f"{e}; nothing was launched. Run it with the resilient that wrote it, or "
-                                      f"move it aside (mv {self.layout.state_file} {self.layout.state_file}.old) "
-                                      "to start this run dir's record afresh.") from None
+                if not e.damaged:  # another resilient's record, or one the filesystem would not give: kept whole
+                    raise ConfigError(f"{e}; nothing was launched. Run it with the resilient that wrote it (or "
+                                      f"once it can be read), or move it aside (mv {self.layout.state_file} "
+                                      f"{self.layout.state_file}.old) to start this run dir's record afresh.") \
+                        from None
                 kept = self.layout.state_file.with_name(f"{self.layout.state_file.name}.unreadable.{int(time.time())}")
                 os.replace(self.layout.state_file, kept)  # damaged (a crash of the machine): kept, not overwritten
                 self.console.event(f"{e}: kept as {kept.name}; this run's history starts afresh (the checkpoints "

@@ -576,3 +576,50 @@ def test_a_damaged_state_file_is_kept_aside_and_attempts_number_past_the_old_log
     assert result.exit_code == 0 and launches == [5], result.output
     kept = list(run_dir.glob("state.json.unreadable.*"))
     assert len(kept) == 1 and kept[0].read_bytes().endswith(b'"hist') and "history starts afresh" in result.stderr
+
+
+def test_a_state_file_is_called_damaged_only_for_bytes_no_version_wrote(tmp_path):
+    """A damaged file is kept aside and the run goes on; another version's, or one the filesystem would not give
+    (EIO, a stale NFS handle; here a folder in its place), stops the run instead of losing a healthy history."""
+    import pytest
+
+    from supervisor import state as state_mod
+
+    path = tmp_path / "state.json"
+    for content, damaged in ((b'{"schema_version": 1, "hist', True), (b"[1, 2]", True), (b'{"a": 1}', True),
+                             (b'{"schema_version": 99}', False)):
+        path.write_bytes(content)
+        with pytest.raises(state_mod.StateFileError) as e:
+            state_mod.read(path)
+        assert e.value.damaged is damaged, content
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(state_mod.StateFileError) as e:
+        state_mod.read(path)
+    assert not e.value.damaged and "cannot be read" in str(e.value)
+
+
+def test_a_checkpoint_unreadable_after_a_failed_load_is_not_called_corrupt(tmp_path, monkeypatch):
+    """Deep-read after the ranks failed to load it, a checkpoint this machine cannot read is no evidence of
+    damage: it is set aside only as one that fails to load twice, not at once as corrupt."""
+    import sys
+    from types import SimpleNamespace
+
+    from supervisor import api, store
+    from supervisor.api import AttemptOutcome
+    from supervisor.supervise import Supervisor
+    from tests.ckpt_helpers import write_checkpoint
+
+    root = tmp_path / "ckpt"
+    for step in (10, 20):
+        write_checkpoint(root, step)
+    marker = root / store.step_dirname(20) / store.MARKER
+    doc = json.loads(marker.read_bytes())
+    doc["checksum_algorithm"] = "crc32c"
+    marker.write_text(json.dumps(doc))
+    monkeypatch.setitem(sys.modules, "crc32c", None)
+    me = SimpleNamespace(cfg=SimpleNamespace(checkpoint=SimpleNamespace(dir=root)), local_root=None,
+                         console=SimpleNamespace(event=lambda *a, **k: None))
+    failure = Supervisor._load_failure(me, AttemptOutcome(api.CHECKPOINT_LOAD, "could not load", checkpoint_step=20),
+                                       SimpleNamespace(step=20))
+    assert failure.step == 20 and failure.corrupt is None and failure.older_valid == 10
