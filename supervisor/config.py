@@ -21,13 +21,14 @@ import yaml
 from supervisor.errors import ConfigError
 
 NAME_RE = re.compile(r"^(?!\.+$)[A-Za-z0-9._-]{1,100}$")  # a file name (not . or ..) and a rendezvous id
-MAX_DURATION_S = 365 * 86400.0  # a timeout beyond a year is a typo, and overflows what takes it (timedelta, int ms)
+MAX_DURATION_S = 1e9  # ~32 years, "never" in practice; beyond it what takes a timeout overflows (Event.wait, C++ ms)
 NAME_MAX_BYTES = 255  # one folder or file name, on every Linux filesystem
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HOST_RE = re.compile(r"^[A-Za-z0-9.:_-]{1,253}$")  # a host name, an IPv4 or an IPv6 address
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 NNODES_RANGE_RE = re.compile(r"^(\d+):(\d+)$")
-DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")
+# A number as YAML 1.1 leaves it text (1e9, no dot), and an optional unit.
+DURATION_RE = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(ms|s|m|min|h)?\s*$")
 DURATION_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
 NPROC_WORDS = ("auto", "cpu", "gpu")
@@ -305,12 +306,12 @@ def _duration(*, positive: bool = True) -> Check:
         seconds: float | None = None
         if _is_number(v):
             seconds = float(v)
-        elif isinstance(v, str) and (m := DURATION_RE.match(v)):
+        elif isinstance(v, str) and (m := DURATION_RE.fullmatch(v)):
             seconds = float(m.group(1)) * DURATION_UNITS[m.group(2)]
         if seconds is None or not 0 <= seconds <= MAX_DURATION_S or (positive and seconds == 0):
             bound = "> 0" if positive else "≥ 0"
-            raise _fail(loc, key, f"a duration {bound} and at most a year, in seconds (a number, or a string like "
-                                  "30s, 5m, 2h)")
+            raise _fail(loc, key, f"a duration {bound} and at most 1e9 seconds (a number, or a string like 30s, "
+                                  "5m, 2h)")
         return seconds
 
     return check
@@ -340,7 +341,7 @@ def _choice(choices: Sequence[str]) -> Check:
 
 def _string(pattern: re.Pattern[str], described: str) -> Check:
     def check(loc: _Loc, key: str) -> str:
-        if not isinstance(loc.value, str) or not pattern.match(loc.value):
+        if not isinstance(loc.value, str) or not pattern.fullmatch(loc.value):
             raise _fail(loc, key, described)
         return loc.value
 
@@ -382,7 +383,7 @@ def _str_map(key_pattern: re.Pattern[str] | None = None) -> Check:
             raise _fail(loc, key, "a mapping of names to values")
         out = {}
         for name, item in loc.value.items():
-            if key_pattern is not None and not key_pattern.match(name):
+            if key_pattern is not None and not key_pattern.fullmatch(name):
                 raise ConfigError(
                     f"{item.where}: {key}.{name} is not a valid variable name "
                     "(letters, digits and '_', not starting with a digit)."
@@ -401,7 +402,7 @@ def _nnodes(loc: _Loc, key: str) -> str:
     if isinstance(v, str):
         if v.isdigit() and int(v) >= 1:
             return str(int(v))
-        m = NNODES_RANGE_RE.match(v)
+        m = NNODES_RANGE_RE.fullmatch(v)
         if m and 1 <= int(m.group(1)) <= int(m.group(2)):
             return f"{int(m.group(1))}:{int(m.group(2))}"
     raise _fail(loc, key, 'an integer ≥ 1 or "MIN:MAX" with 1 ≤ MIN ≤ MAX')

@@ -58,7 +58,7 @@ def node_name(cfg: JobConfig, node: str | None) -> str | None:
     if name is None and cfg.nnodes == "1":
         return None
     name = name or socket.gethostname()
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         given = f"--node {name}" if node else f"RESILIENT_NODE={name}" if os.environ.get("RESILIENT_NODE") else \
             f"the host name {name!r}"
         raise UsageError(f"{given}: a node name is 1 to 100 letters, digits, '.', '_' or '-' (not only dots): it names "
