@@ -11,6 +11,7 @@ accounting, the `auto` interval, retention, and the checkpoints it sets aside.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from supervisor.state import AttemptRecord, RunRecord, RunState
 log = logging.getLogger("resilient")
 
 STATE_EVERY_S = 1.0
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})  # a run dir that takes no more writes
 REPLICATION_DRAIN_S = 600.0  # a finished run waits this long at most for its last durable copies
 
 
@@ -143,7 +145,12 @@ class Supervisor:
                 return self._stopped(None)
             choice = self._choose(below)
             spec = self._next_spec(choice)
-            outcome = self._run_attempt(spec, choice)
+            try:
+                outcome = self._run_attempt(spec, choice)
+            except OSError as e:
+                if e.errno not in NO_ROOM:
+                    raise
+                return self._no_room(e)
             if outcome.reason == api.FINISHED:
                 return self._finished(outcome)
             if outcome.reason == api.STOPPED:
@@ -424,6 +431,21 @@ class Supervisor:
         self._transition(RunState.STOPPED)
         self.console.event(f"{self.record.message}; `resilient run` again resumes", style="yellow")
         return ExitCode.SIGINT if sig == signal.SIGINT else ExitCode.SIGTERM
+
+    def _no_room(self, e: OSError) -> int:
+        """The run dir took no more writes (full, over quota, read-only) as an attempt was set up: a relaunch
+        would meet the same, so the run stops with the sentence that says what to free."""
+        why = f"{e.filename or self.cfg.run_dir}: {e.strerror}"
+        last = self.record.history[-1] if self.record.history else None
+        if last is not None and last.ended_at is None:
+            last.ended_at, last.reason, last.detail = time.time(), api.LAUNCHER_DIED, f"could not launch: {why}"
+            self.accounting.end(last.ended_at)
+        self.record.message = (f"resilient stopped the run: the run dir cannot be written ({why}). Free space "
+                               "there (or make it writable); `resilient run` again resumes from the newest "
+                               "valid checkpoint.")
+        self._transition(RunState.FAILED)
+        self.console.paragraph(self.record.message)
+        return ExitCode.FAILED
 
     def _failed(self, why: str, outcome: AttemptOutcome, spec: AttemptSpec) -> int:
         newest = store.latest_valid(self.cfg.checkpoint.dir)

@@ -623,3 +623,27 @@ def test_a_checkpoint_unreadable_after_a_failed_load_is_not_called_corrupt(tmp_p
     failure = Supervisor._load_failure(me, AttemptOutcome(api.CHECKPOINT_LOAD, "could not load", checkpoint_step=20),
                                        SimpleNamespace(step=20))
     assert failure.step == 20 and failure.corrupt is None and failure.older_valid == 10
+
+
+def test_a_run_dir_with_no_room_for_the_next_attempt_stops_the_run_with_one_sentence(tmp_path, cli, monkeypatch):
+    """After a failure, the relaunch's logs cannot be written (the run dir's disk is full): it once ended in a
+    traceback with the run left 'running'."""
+    import errno
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\nrestart: {backoff_s: 0}\n")
+
+    def launcher(cfg, spec, handover):
+        if spec.attempt == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(spec.logs_dir / "torchrun.log"))
+        h = FakeHandle(spec.logs_dir / "torchrun.log", rc=1)
+        h.log_path.write_text(summary())
+        return h
+
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launcher)
+    result = cli("run", job)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "the run dir cannot be written" in result.stderr and "No space left on device" in result.stderr
+    doc = json.loads((tmp_path / "runs/demo/state.json").read_text())
+    assert doc["state"] == "failed" and [h["reason"] for h in doc["history"]] == ["worker_signal", "launcher_died"]
+    assert all(h["ended_at"] for h in doc["history"])
