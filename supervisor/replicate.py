@@ -101,6 +101,11 @@ def split_unreplicated(plan: retention.Plan, infos: list[store.CheckpointInfo],
     return retention.Plan(plan.kept, [r for r in plan.remove if r not in held], plan.spared), held
 
 
+class LocalSaveReplaced(Exception):
+    """The local checkpoint being copied was saved again meanwhile (the ranks went back and reached its step
+    again): the copy starts over with the new save. No failure of the durable tier."""
+
+
 def _save_of(files: list[Any]) -> frozenset[tuple[str, str]]:
     """What identifies one save across the nodes' parts: the files every node's folder holds alike (DCP's metadata,
     which names the save, and every rank's small file), by checksum. Records or their dicts."""
@@ -311,6 +316,8 @@ class Replicator:
                 step = self._pick(todo)
                 try:  # a background loop logs and keeps going: the durable tier may come back
                     self._replicate(step)
+                except LocalSaveReplaced as e:  # still queued: copied again, the new save
+                    log.info("%s: copying the new save", e)
                 except Exception as e:  # every failure of the durable tier is the same news
                     failures += 1
                     self._failed(step, e)
@@ -386,6 +393,7 @@ class Replicator:
             return
         manifest = info.manifest
         assert manifest is not None
+        marker = _identity(local / store.MARKER)  # which save of this step the copy is of
         final = self.durable_root / store.step_dirname(step)
         partial = self.durable_root / store.partial_dirname(step)
         mine = self._part(step)
@@ -422,9 +430,11 @@ class Replicator:
                 if not self._try_commit(step, partial, manifest):
                     break
                 copy = True
-        except BaseException:
+        except BaseException as e:
             os.close(live)
             self._reclaim(partial)
+            if isinstance(e, ValueError) and _identity(local / store.MARKER) != marker:
+                raise LocalSaveReplaced(f"local step {step} was saved again while it was copied") from e
             raise
         else:
             os.close(live)

@@ -466,3 +466,34 @@ def test_a_copy_that_failed_on_a_full_durable_tier_gives_its_room_back(tmp_path,
     filler.unlink()  # room again: enough for one checkpoint, had the failed copy not kept half of one
     r._replicate(20)
     assert store.inspect(small_disk / store.step_dirname(20), deep=True).valid
+
+
+def test_a_local_step_saved_again_while_it_is_copied_is_copied_anew_with_no_alarm(tmp_path, monkeypatch):
+    """The ranks went back (a resume from an older step) and saved step 20 again while the replicator copied the
+    first save: the copy read new bytes against the old manifest. That is no failure of the durable tier (it was
+    reported as one: 'FAILING' in status, and the copy's backoff); the new save is copied."""
+    from supervisor import replicate
+
+    local = tmp_path / "local-a"
+    local_checkpoint(local, 20, "a", {"a": [0]})
+    r = Replicator(local, tmp_path / "durable", "a", keep_local=2, keep=3, outage_s=3600.0)
+    real, resaved = replicate.Replicator._copy_verified, []
+
+    def copy_verified(self, src, dest, rec, algorithm):
+        if not resaved:
+            resaved.append(True)
+            shutil.rmtree(local / store.step_dirname(20))
+            local_checkpoint(local, 20, "a", {"a": [0]}, salt="-again")
+        return real(self, src, dest, rec, algorithm)
+
+    monkeypatch.setattr(replicate.Replicator, "_copy_verified", copy_verified)
+    r.start()
+    try:
+        r.notify(20)
+        assert r.drain(30.0)
+    finally:
+        r.stop()
+    final = store.inspect(tmp_path / "durable" / store.step_dirname(20), deep=True)
+    assert final.valid and (tmp_path / "durable" / store.step_dirname(20) / ".metadata").read_bytes() == (
+        local / store.step_dirname(20) / ".metadata").read_bytes()
+    assert r.state.failing_since is None and r.state.last_error is None and r._failures == 0
