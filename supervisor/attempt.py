@@ -67,6 +67,9 @@ class AttemptListener(Protocol):
     def on_tick(self) -> None:
         """Once per watch iteration: persist what changed (rate-limited by the listener)."""
 
+    def on_resumed(self, step: int | None, tier: str | None, launched_at: float) -> None:
+        """The ranks loaded `step` from `tier` (None without a local tier), in an attempt launched then."""
+
     def stop_signal(self) -> int | None:
         """The signal the supervisor was asked to stop with, if any."""
 
@@ -289,6 +292,7 @@ class Attempt:
             self.rec.resumed_from_step = step
         self.rec.resumed_tier, self.rec.resumed_why = tier, said.resumed_why if tier else None
         self._resume_noted = True
+        self.listener.on_resumed(step, tier, self.rec.started_at)
 
     def _update_ranks(self, heartbeats: dict[int, Heartbeat], watch: RankWatch, now: float) -> None:
         ages = watch.ages(now)

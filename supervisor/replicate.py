@@ -196,7 +196,7 @@ class Replicator:
         self.state = ReplicationState(str(self.local_root), str(self.durable_root))
         self._queue: set[int] = set()
         self._handled: set[int] = set()  # steps this process copied, found copied or skipped as superseded
-        self._unusable: set[int] = set()  # local steps found damaged or gone: the periodic look passes them over
+        self._unusable: set[int] = set()  # local steps damaged, gone, or of a timeline left: passed over
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -220,7 +220,29 @@ class Replicator:
         """The ranks committed `step` to the local tier."""
         with self._lock:
             self._queue.add(step)
+            self._unusable.discard(step)  # a new save of a step number passed over before
         self._wake.set()
+
+    def pass_over_older_timeline(self, resumed: int | None, launched_at: float) -> None:
+        """The ranks resumed from the durable tier's step `resumed`: this node's local steps above it that were
+        committed before this attempt began belong to the training it left (another node was replaced, or a local
+        step was damaged). Nobody resumes from them, and on several nodes they can never be published: they are
+        not copied (ahead of the new training's first steps, they held its durable copies back)."""
+        stale = []
+        with contextlib.suppress(OSError):
+            for path in store.checkpoint_dirs(self.local_root) if self.local_root.is_dir() else []:
+                m = store.STEP_RE.match(path.name)
+                if m is None or (resumed is not None and int(m.group(1)) <= resumed):
+                    continue
+                info = store.inspect(path)
+                if info.created_at is not None and info.created_at < launched_at:
+                    stale.append(info.step)
+        if stale:
+            with self._lock:
+                self._unusable.update(stale)
+                self._queue.difference_update(stale)
+            log.info("not copying local step(s) %s to the durable tier: the ranks resumed from durable step %s, "
+                     "before them", stale, resumed)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until nothing is queued, `timeout_s` passed, or a copy failed once more while waiting (a durable
@@ -584,7 +606,8 @@ class Replicator:
         if not self.local_root.is_dir():
             return []
         newest = max(self._durable_valid(), default=-1)
-        return [i.step for i in store.scan(self.local_root) if i.valid and i.step > newest]
+        return [i.step for i in store.scan(self.local_root)
+                if i.valid and i.step > newest and i.step not in self._unusable]
 
     def _local_retention(self, *, spares: bool = True) -> None:
         """Keep `keep_local` newest local checkpoints; older ones go only once the durable tier has them (or it

@@ -333,6 +333,10 @@ class Supervisor:
     def on_tick(self) -> None:
         self.save_state(force=False)
 
+    def on_resumed(self, step: int | None, tier: str | None, launched_at: float) -> None:
+        if self.replicator is not None and tier == "durable":
+            self.replicator.pass_over_older_timeline(step, launched_at)
+
     def stop_signal(self) -> int | None:
         return self._stop_signal
 

@@ -497,3 +497,27 @@ def test_a_local_step_saved_again_while_it_is_copied_is_copied_anew_with_no_alar
     assert final.valid and (tmp_path / "durable" / store.step_dirname(20) / ".metadata").read_bytes() == (
         local / store.step_dirname(20) / ".metadata").read_bytes()
     assert r.state.failing_since is None and r.state.last_error is None and r._failures == 0
+
+
+def test_local_steps_of_a_timeline_left_behind_are_not_copied_ahead_of_the_new_ones(tmp_path):
+    """Node b was replaced: the ranks resumed from durable step 20. Node a's local steps 60-100 are of the training
+    they left, and b will never hold them: copying them first (newest first) held the new training's durable
+    copies back. Passed over, unless the new training saves that step number again."""
+    local = tmp_path / "local-a"
+    durable_ranks = {"a": [0]}
+    local_checkpoint(tmp_path / "durable", 20, "a", durable_ranks)
+    for step in (60, 80, 100):
+        local_checkpoint(local, step, "a", durable_ranks)
+    r = Replicator(local, tmp_path / "durable", "a", keep_local=5, keep=5, outage_s=3600.0)
+    for step in (60, 80, 100):
+        r.notify(step)  # as start() queues them
+    launched_at = time.time()
+    r.pass_over_older_timeline(20, launched_at)
+    assert r.snapshot()["pending"] == [] and r._unreplicated() == []
+    local_checkpoint(local, 40, "a", durable_ranks)  # the new training's first save
+    r.notify(40)
+    assert r.snapshot()["pending"] == [40]
+    shutil.rmtree(local / store.step_dirname(60))
+    local_checkpoint(local, 60, "a", durable_ranks, salt="-new")  # ...and its step 60
+    r.notify(60)
+    assert r.snapshot()["pending"] == [40, 60] and r._unreplicated() == [40, 60]
