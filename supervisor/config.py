@@ -693,6 +693,16 @@ def build_job(root: _Loc, path: Path) -> JobConfig:
             f'{where}: nnodes is {nnodes!r}, so rdzv.endpoint is required (HOST:PORT of the node that '
             'hosts the store, e.g. "node0:29400").'
         )
+    if nnodes != "1" and rdzv.backend == "static":
+        raise ConfigError(f"{_where(root, 'rdzv.backend')}: rdzv.backend static numbers no nodes (torchrun would "
+                          f"need each node's --node-rank), so nnodes {nnodes!r} cannot work; use backend c10d.")
+    for key in ("join_timeout", "last_call_timeout", "close_timeout"):  # torchrun reads them as seconds
+        if key in rdzv.conf:
+            try:
+                float(rdzv.conf[key])
+            except ValueError:
+                raise ConfigError(f"{_where(root, f'rdzv.conf.{key}')}: rdzv.conf.{key} must be a number of "
+                                  f"seconds (torchrun reads it so), got {rdzv.conf[key]!r}.") from None
     return JobConfig(
         name=name,
         run_dir=run_dir,

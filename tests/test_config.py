@@ -154,6 +154,10 @@ BAD = {
     "a list in env": ("name: x\nentrypoint: {module: m}\nenv: {A: [1]}\n", None, 3,
                       ["env.A must be a string or number, got [1]."]),
     "--set under a value": (GOOD, "checkpoint.keep.x=5", None, ["checkpoint.keep takes a value, not keys"]),
+    "static rendezvous on two nodes": ("name: x\nentrypoint: {module: m}\nnnodes: 2\nrdzv:\n  backend: static\n"
+                                       "  endpoint: h:1\n", None, 5, ["rdzv.backend static", "use backend c10d"]),
+    "a duration in rdzv.conf": ("name: x\nentrypoint: {module: m}\nrdzv:\n  conf: {join_timeout: 10m}\n", None, 4,
+                                ["rdzv.conf.join_timeout must be a number of seconds", "'10m'"]),
 }
 
 
