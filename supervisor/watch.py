@@ -8,7 +8,8 @@ Rules, per rank:
 - no heartbeat yet: hung once `startup_timeout_s` has passed since launch;
 - silent (seq unchanged) for `timeout_s`: hung, whatever its phase (stopped, dead-locked, GIL held);
 - phase `startup` or `load` past `startup_timeout_s` since launch: hung;
-- phase `train` without a new step for `timeout_s`: hung (stuck in a collective: its beat thread lives);
+- phase `train` without a new step for `timeout_s`: hung (stuck in a collective: its beat thread lives); before
+  its first step (a compile, autotuning) only once `startup_timeout_s` has passed since launch as well;
 - phase `save` and `load` are not held to progress; `exited` is never hung.
 
 With a `stall_factor` k, a rank in `train` is held to a tighter limit once it has reported its step times:
@@ -109,6 +110,8 @@ class RankWatch:
             elif phase in ("startup", "load"):
                 if since_launch > self.startup_timeout_s:
                     found.append(Hang(rank, STARTUP, since_launch, s.hb.step, phase))
+            elif phase == "train" and s.hb.first_step_at is None and since_launch <= self.startup_timeout_s:
+                continue  # its first step: the startup's allowance
             elif phase == "train" and now - s.step_at > limit:
                 if silent > self.stall_floor_s:  # stopped beating too: the one the others wait for
                     found.append(Hang(rank, SILENT, silent, s.hb.step, phase))

@@ -44,6 +44,20 @@ def test_a_full_disk_fails_the_save_never_validates_it_and_stops_as_a_crash_loop
     assert 60 <= doc["history"][0]["step_at_failure"] < 70, doc["history"][0]
 
 
+def test_a_long_first_step_and_a_long_last_save_are_not_hangs(tmp_path):
+    """The first step (a compile, autotuning) has the startup's allowance, not timeout_s; the wait at the end for
+    the last interval's save to persist is a save, not a train step without progress. Both were killed as hangs,
+    every attempt again, until the restart budget ran out."""
+    cases = {"last save": ("--test-save-pause", "mid_data:7@40"), "first step": ("--test-slow-rank", "0:7")}
+    for name, extra in cases.items():
+        run_dir = tmp_path / name.replace(" ", "-")
+        argv = run_job(run_dir, "heartbeat.timeout_s=4s", "heartbeat.startup_timeout_s=60s",
+                       steps=40 if name == "last save" else 1, sleep=0.0, extra_args=extra)
+        with started(argv, tmp_path, log=tmp_path / f"{run_dir.name}.log") as sup:
+            assert sup.wait(RUN_TIMEOUT) == 0, (name, sup.output()[-3000:])
+        assert [h["reason"] for h in status(run_dir)["history"]] == ["finished"], name
+
+
 def test_a_collective_timeout_is_classified_and_recovered(tmp_path):
     run_dir = tmp_path / "run"
     # The heartbeat timeout is long, so gloo's own 5 s timeout is what notices the stopped rank.

@@ -51,6 +51,8 @@ def summary(rank=1, code=-9, sig="  (SIGKILL)", traceback="Signal 9 (SIGKILL) re
 
 
 def hb(rank=0, **kw) -> Heartbeat:
+    if kw.get("phase") == "train":
+        kw.setdefault("first_step_at", 1.0)  # a training rank has done a step, unless a test says otherwise
     return Heartbeat(rank=rank, pid=1000 + rank, **kw)
 
 
@@ -207,6 +209,18 @@ def test_hang_rules_with_injected_time():
     w3.observe({0: hb(0, phase="startup", seq=1)}, now=25)
     w3.observe({0: hb(0, phase="startup", seq=2)}, now=30)
     assert [h.kind for h in w3.hangs(31)] == [STARTUP]
+
+
+def test_a_first_step_has_the_startups_allowance():
+    """A compile or autotuning in the first step: beating, in `train`, no step yet. Held to startup_timeout_s
+    since launch, not to timeout_s (it was killed as a hang at every attempt)."""
+    w = RankWatch(launched_at=0.0, timeout_s=10, startup_timeout_s=100)
+    for t in range(5, 96):
+        w.observe({0: hb(0, phase="train", seq=t, step=0, first_step_at=None)}, now=t)
+    assert w.hangs(95.5) == []
+    for t in range(96, 112):
+        w.observe({0: hb(0, phase="train", seq=t, step=0, first_step_at=None)}, now=t)
+    assert [(h.rank, h.kind) for h in w.hangs(111.5)] == [(0, NO_PROGRESS)]
 
 
 def test_stall_rule_scales_with_the_slowest_recent_step():
@@ -467,13 +481,17 @@ def test_the_resume_tier_is_taken_from_a_rank_that_has_loaded(tmp_path):
     console = SimpleNamespace(event=lambda text, style=None: events.append(text))
     rec = state.AttemptRecord(attempt=2, started_at=0.0, resumed_from_step=208)
     spec = AttemptSpec(2, 208, None, tmp_path / "l", tmp_path / "h", tmp_path / "s", tmp_path / "c")
-    attempt = Attempt(None, spec, Handover(ckpt_local_dir=str(tmp_path / "local")), None, console, rec, None, None)
+    resumed: list[tuple] = []
+    listener = SimpleNamespace(on_resumed=lambda *a: resumed.append(a))
+    attempt = Attempt(None, spec, Handover(ckpt_local_dir=str(tmp_path / "local")), None, console, rec, None,
+                      listener)
     why = "every node holds step 212 whole"
     attempt._follow_resume({0: Heartbeat(rank=0, pid=10, phase="load", loading_step=212),
                             1: Heartbeat(rank=1, pid=11, phase="train", resumed_from=212, resumed_tier="local",
                                          resumed_why=why)})
     assert (rec.resumed_from_step, rec.resumed_tier, rec.resumed_why) == (212, "local", why)
     assert events == [f"attempt 2: the ranks resumed from step 212 from the local tier ({why})"]
+    assert resumed == [(212, "local", 0.0)]  # the supervisor hears it too (its replicator acts on "durable")
 
 
 @pytest.mark.parametrize(("code", "reason"), [(EXIT_PREEMPTED, "stopped"), (1, "worker_exit")])

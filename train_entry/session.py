@@ -496,6 +496,8 @@ class Session:
         """
         code = EXIT_PREEMPTED if self.stop_requested else 0
         self.save(step, state, sync=True)
+        if self.ckpt.in_flight is not None:  # the last interval's save still persists: not held to progress
+            self.beater.set_phase("save", now=True)
         self.ckpt.wait()
         self.beater.stop(phase="exited", exit_code=code, saving_step=None,
                          exit_reason="preempted" if code else "finished")
