@@ -119,8 +119,12 @@ class Attempt:
 
     def _watch(self, handle: AttemptHandle, oom_before: int | None) -> AttemptOutcome:
         hb_cfg = self.cfg.heartbeat
-        watch = RankWatch(self.clock(), hb_cfg.timeout_s, hb_cfg.startup_timeout_s, stall_factor=hb_cfg.stall_factor,
-                          stall_floor_s=STALL_FLOOR_BEATS * hb_cfg.interval_s)
+        # One node with a fixed count: a rank that never beats is named (on several nodes this node's ranks'
+        # numbers are known only from their beats).
+        expected = int(self.cfg.nproc_per_node) if self.cfg.nnodes == "1" and self.cfg.nproc_per_node.isdigit() \
+            else None
+        watch = RankWatch(self.clock(), hb_cfg.timeout_s, hb_cfg.startup_timeout_s, expected_ranks=expected,
+                          stall_factor=hb_cfg.stall_factor, stall_floor_s=STALL_FLOOR_BEATS * hb_cfg.interval_s)
         heartbeats: dict[int, Heartbeat] = {}
         next_scan = 0.0
         while True:

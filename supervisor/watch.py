@@ -55,6 +55,8 @@ class Hang:
             return f"{who} made no progress for {self.for_s:.0f}s at step {self.step}"
         if self.kind == STARTUP:
             return f"{who} still in {self.phase} after {self.for_s:.0f}s"
+        if self.rank is not None:
+            return f"{who} wrote no heartbeat in {self.for_s:.0f}s (the other ranks did)"
         return f"no heartbeat from any rank after {self.for_s:.0f}s"
 
 
@@ -121,7 +123,7 @@ class RankWatch:
             for rank in range(self.expected_ranks):
                 if rank not in self.seen:
                     found.append(Hang(rank, NO_HEARTBEAT, since_launch, None, None))
-        order = {SILENT: 0, STARTUP: 1, NO_HEARTBEAT: 2, NO_PROGRESS: 3}
+        order = {SILENT: 0, NO_HEARTBEAT: 1, STARTUP: 2, NO_PROGRESS: 3}  # one never heard of: what the others wait for
         return sorted(found, key=lambda h: (order[h.kind], -h.for_s))
 
     def ages(self, now: float) -> dict[int, float]:

@@ -211,6 +211,17 @@ def test_hang_rules_with_injected_time():
     assert [h.kind for h in w3.hangs(31)] == [STARTUP]
 
 
+def test_a_rank_that_never_beats_is_named_before_the_ones_that_wait_for_it():
+    """Rank 1 hangs before its first heartbeat; rank 0 waits for it in the rendezvous, in `startup`. The supervisor
+    (which now tells the watch how many ranks one node runs) names rank 1, not rank 0."""
+    w = RankWatch(launched_at=0.0, timeout_s=10, startup_timeout_s=30, expected_ranks=2)
+    for t in range(1, 32):
+        w.observe({0: hb(0, phase="startup", seq=t)}, now=t)
+    hangs = w.hangs(31.5)
+    assert [(h.rank, h.kind) for h in hangs] == [(1, NO_HEARTBEAT), (0, STARTUP)]
+    assert hangs[0].describe() == "rank 1 wrote no heartbeat in 32s (the other ranks did)"
+
+
 def test_a_first_step_has_the_startups_allowance():
     """A compile or autotuning in the first step: beating, in `train`, no step yet. Held to startup_timeout_s
     since launch, not to timeout_s (it was killed as a hang at every attempt)."""
