@@ -40,6 +40,7 @@ class AttemptAccount:
     lost_s: float = 0.0
     lost_blocking_s: float = 0.0
     finalized: bool = False
+    relaunch: bool = False  # launched by the supervisor that saw the previous attempt end (not a later rerun)
 
     @property
     def train_s(self) -> float:
@@ -84,12 +85,14 @@ class Accounting:
             self.session_started = None
 
     def launch(self, attempt: int, t: float, resume_step: int | None) -> None:
+        relaunch = False
         if self.attempts:
             prev = self.attempts[-1]
             self.finalize(prev, resume_step)
             if prev.ended_at is not None and self.session_started is not None and prev.ended_at >= self.session_started:
                 self.down_s += max(0.0, t - prev.ended_at)
-        self.attempts.append(AttemptAccount(attempt, t, resume_step))
+                relaunch = True
+        self.attempts.append(AttemptAccount(attempt, t, resume_step, relaunch=relaunch))
 
     def resumed(self, step: int | None) -> None:
         """The ranks of the current attempt resumed from `step`, which may differ from what it was launched with
@@ -145,11 +148,12 @@ class Accounting:
     # ---- results ----------------------------------------------------------------------------------
 
     def restart_costs(self) -> list[float]:
-        """Per relaunch: last step of the failed attempt → first step of the next one."""
+        """Per relaunch: last step of the failed attempt → first step of the next one; only where one supervisor
+        saw both (a stop and a later rerun is no restart cost: hours with no supervisor would count)."""
         out = []
         for prev, cur in zip(self.attempts, self.attempts[1:], strict=False):
-            if prev.last_step_at is not None and cur.first_step_at is not None:
-                out.append(cur.first_step_at - prev.last_step_at)
+            if cur.relaunch and prev.last_step_at is not None and cur.first_step_at is not None:
+                out.append(max(0.0, cur.first_step_at - prev.last_step_at))  # a clock stepped back: no cost
         return out
 
     def summary(self, now: float) -> dict[str, Any]:

@@ -34,7 +34,7 @@ def young_daly(save_cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> flo
         return 0.0
     if save_cost_s >= mtbf_s / 2:
         return mtbf_s
-    return math.sqrt(2 * save_cost_s * (mtbf_s + restart_s)) - save_cost_s
+    return math.sqrt(2 * save_cost_s * (mtbf_s + max(0.0, restart_s))) - save_cost_s
 
 
 def expected_waste(interval_s: float, save_cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
@@ -143,8 +143,10 @@ class IntervalTuner:
         restart = restart_s or 0.0
         t_opt = young_daly(cost, mtbf, restart)
         steps = max(1, round(t_opt / step_s))
-        floor = math.ceil(max(self.persist, default=0.0) / step_s) if self.persist else 1
-        bounded = max(self.min_steps, floor, min(self.max_steps, steps))
+        # Long enough for a save to persist before the next begins (the median of the recent ones: one stalled
+        # save must not hold the interval up for ten saves); the job's max_interval_steps is the last word.
+        floor = math.ceil(statistics.median(self.persist) / step_s) if self.persist else 1
+        bounded = min(self.max_steps, max(self.min_steps, floor, steps))
         prior = f"prior {self.prior:.0f}s" if self.prior else "no prior"
         why = (f"Young/Daly: save cost {cost:.3f}s, MTBF {mtbf:.0f}s ({prior}, {failures} failure(s) in "
                f"{observed_s:.0f}s), restart {restart:.1f}s → T*={t_opt:.1f}s = {steps} steps of {step_s * 1e3:.1f}ms")

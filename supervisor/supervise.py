@@ -535,14 +535,15 @@ class Supervisor:
         self.save_state()
 
     def _retune(self) -> None:
-        """Re-evaluate the auto interval; tell rank 0 (control file) when it moves by 10 % or more."""
+        """Re-evaluate the auto interval; tell rank 0 (control file) when it moves by 10 % and 2 steps or more
+        (at a few steps, 10 % is less than one: it flapped between neighbours at every save)."""
         assert self.tuner is not None
         failures = sum(1 for h in self.record.history if h.reason in api.RETRYABLE)
         costs = self.accounting.restart_costs()
         restart = sorted(costs)[len(costs) // 2] if costs else None
         choice = self.tuner.choose(self.accounting.summary(time.time())["wall_s"], failures, restart)
         self.record.checkpoint_interval = choice.to_dict()
-        if self._interval is None or abs(choice.steps - self._interval) >= 0.1 * self._interval:
+        if self._interval is None or abs(choice.steps - self._interval) >= max(0.1 * self._interval, 2):
             write_control(self.control_file, Control(choice.steps, choice.why))
             if self._interval is not None or choice.seconds is not None:
                 self.console.event(f"checkpoint interval {self._interval or '-'} → {choice.steps} steps ({choice.why})")

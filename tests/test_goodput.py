@@ -88,3 +88,29 @@ def test_a_stop_that_checkpoints_loses_nothing():
     assert acc.attempts[0].lost_steps == 0
     s = acc.summary(100.0)
     assert s["wall_s"] == pytest.approx(20.5) and s["down_s"] == 0.0
+
+
+def test_a_restart_cost_is_measured_only_where_one_supervisor_saw_the_failure_and_the_relaunch():
+    """A stop, then a rerun an hour later: that hour is no restart cost (it set the interval tuner's R to it for
+    the rest of the run). A clock stepped back gives no negative cost."""
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, None)
+    acc.step(1, 2.0)
+    acc.step(50, 10.0)
+    acc.end(11.0)
+    acc.launch(2, 11.5, None)  # relaunched by the same supervisor: 10 → 13 is the restart
+    acc.step(1, 13.0)
+    acc.step(30, 20.0)
+    acc.end(21.0)
+    acc.end_session(21.0)
+    acc.start_session(3621.0)  # `resilient run` again, an hour later
+    acc.launch(3, 3621.0, None)
+    acc.step(1, 3624.0)
+    assert acc.restart_costs() == [pytest.approx(3.0)]
+    acc.end(3630.0)
+    acc.launch(4, 3630.5, None)
+    acc.step(1, 3620.0)  # the clock stepped back
+    assert acc.restart_costs() == [pytest.approx(3.0), 0.0]
+    restored = Accounting.from_dict(acc.to_dict())
+    assert restored.restart_costs() == acc.restart_costs()

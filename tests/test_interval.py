@@ -91,3 +91,25 @@ def test_a_moving_interval_counts_from_the_last_save_not_from_multiples():
     stopping = session(True, 50, 100)
     stopping.stop_requested = True
     assert stopping.should_save(101) and not stopping.should_save(100)  # an agreed stop saves at once
+
+
+def test_the_jobs_max_interval_wins_and_one_stalled_save_does_not_hold_the_interval_up():
+    """One save that persisted for 4 s (a stall) put a floor of 4 s of steps under the interval for the next ten
+    saves, above max_interval_steps."""
+    tuner = IntervalTuner(3600.0, 1, 30)
+    t = feed(tuner, range(1, 21), 0.1)
+    tuner.on_save(20, 0.01)
+    t = feed(tuner, range(21, 26), 0.1, t)
+    tuner.on_commit(20, 4.0)  # 40 steps' worth
+    assert tuner.choose(0.0, 0, None).steps == 30  # the job's max, not 40
+    tuner = IntervalTuner(3600.0, 1, 10_000)
+    t = feed(tuner, range(1, 21), 0.1)
+    for step, persist_s in ((20, 20.0), (30, 0.2), (40, 0.2), (50, 0.2)):  # one stall of 200 steps' worth
+        tuner.on_save(step, 0.01)
+        t = feed(tuner, range(step + 1, step + 6), 0.1, t)
+        tuner.on_commit(step, persist_s)
+    assert tuner.choose(0.0, 0, None).steps < 200  # the median persist, not the one stall
+
+
+def test_a_negative_restart_cost_is_no_cost():
+    assert young_daly(0.01, 10.0, -60.0) == young_daly(0.01, 10.0, 0.0)
