@@ -324,3 +324,16 @@ def test_gc_waits_for_the_replication_lock_and_removes_nothing_while_a_node_hold
         os.close(fd)
     r = cli("gc", tmp_path, "--keep", "1")
     assert r.exit_code == 0 and sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == ["step_000000003"]
+
+
+def test_logs_follow_ends_when_the_state_file_is_gone_and_no_supervisor_holds_the_run(tmp_path):
+    """A run dir deleted under `logs --follow` (or a state file another version wrote): it followed forever."""
+    from supervisor.commands import logs
+
+    node = tmp_path / "run"
+    node.mkdir()
+    (node / "state.json").write_text('{"schema_version": 99}')
+    assert logs._over([node / "state.json"], None)
+    with RunLock(node):  # a live supervisor still holds it: its next write may be readable
+        assert not logs._over([node / "state.json"], None)
+    assert logs._over([tmp_path / "deleted" / "state.json"], None)

@@ -93,8 +93,10 @@ def _over(files: list[Path], attempt: int | None) -> bool:
     for f in files:
         try:
             rec = state.read(f)
-        except state.StateFileError:
-            return False
+        except state.StateFileError:  # gone or unreadable: over unless a live supervisor still holds that node
+            if lock.holder(f.parent) is not None:
+                return False
+            continue
         live = not rec.state.final and lock.holder(f.parent) is not None
         if attempt is None and live:
             return False
