@@ -88,7 +88,7 @@ class Accounting:
         relaunch = False
         if self.attempts:
             prev = self.attempts[-1]
-            self.finalize(prev, resume_step)
+            self._charge_back(self.attempts, resume_step)
             if prev.ended_at is not None and self.session_started is not None and prev.ended_at >= self.session_started:
                 self.down_s += max(0.0, t - prev.ended_at)
                 relaunch = True
@@ -101,10 +101,17 @@ class Accounting:
         if step == a.resume_step:
             return
         a.resume_step = step
-        if len(self.attempts) > 1:
-            prev = self.attempts[-2]
-            prev.finalized, prev.lost_steps, prev.lost_s, prev.lost_blocking_s = False, 0, 0.0, 0.0
-            self.finalize(prev, step)
+        self._charge_back(self.attempts[:-1], step)
+
+    def _charge_back(self, earlier: list[AttemptAccount], resume_step: int | None) -> None:
+        """Charge every earlier attempt for its steps that a later attempt redoes: an attempt keeps its steps up
+        to the lowest step any later attempt resumed from (a rollback after a NaN can go back past where the
+        last attempt began, into older ones). Made anew each time: a resume step can still move."""
+        low = resume_step or 0
+        for a in reversed(earlier):
+            a.finalized, a.lost_steps, a.lost_s, a.lost_blocking_s = False, 0, 0.0, 0.0
+            self.finalize(a, low)
+            low = min(low, a.resume_step or 0)
 
     def step(self, step: int, t: float) -> None:
         a = self.attempts[-1]

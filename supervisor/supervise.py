@@ -241,8 +241,7 @@ class Supervisor:
                             log_dir=recorded(spec.logs_dir, self.cfg.run_dir),
                             skipped=[f"{n}: {w}" for n, w in choice.skipped] or None)
         self.accounting.launch(spec.attempt, rec.started_at, choice.step)
-        if len(self.record.history) and self.accounting.attempts[:-1]:
-            self.record.history[-1].lost_steps = self.accounting.attempts[-2].lost_steps
+        self._sync_lost_steps()
         self.record.history.append(rec)
         self.record.attempt = spec.attempt
         self._transition(RunState.RUNNING)
@@ -272,12 +271,21 @@ class Supervisor:
 
     # ---- what an attempt tells us while it runs (AttemptListener) -----------------------------------
 
+    def _sync_lost_steps(self) -> None:
+        """Each attempt's lost steps in the history, as the ledger charges them now (a later resume can charge
+        older attempts again)."""
+        lost = {a.attempt: a.lost_steps for a in self.accounting.attempts}
+        for h in self.record.history:
+            if h.attempt in lost and h.ended_at is not None:
+                h.lost_steps = lost[h.attempt]
+
     def on_records(self, records: list[Any], rec: AttemptRecord) -> None:
         for r in records:
             if isinstance(r, StepRecord):
                 if rec.first_step_at is None:
                     rec.first_step_at = r.t
                     self.accounting.resumed(r.step - 1 or None)  # the first step done follows the one loaded
+                    self._sync_lost_steps()
                     self.console.event(f"attempt {rec.attempt}: training (first step {r.step} after "
                                        f"{r.t - rec.started_at:.1f}s)")
                     spare = getattr(self.launcher, "spare", None)

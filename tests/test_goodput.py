@@ -114,3 +114,21 @@ def test_a_restart_cost_is_measured_only_where_one_supervisor_saw_the_failure_an
     assert acc.restart_costs() == [pytest.approx(3.0), 0.0]
     restored = Accounting.from_dict(acc.to_dict())
     assert restored.restart_costs() == acc.restart_costs()
+
+
+def test_a_rollback_past_the_last_attempts_start_charges_the_older_attempts_too():
+    """Attempt 1 ran to 127 (saves at 50 and 100) and was killed; attempt 2 resumed from 100 and hit a NaN at 139;
+    attempt 3 rolled back to 50. Steps 51-100 of attempt 1 are redone too: 77 + 39 lost, not 27 + 39."""
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, None)
+    run_steps(acc, 1, 127, 1.0, 0.1, {50: 0.0, 100: 0.0})
+    acc.end(15.0)
+    acc.launch(2, 16.0, 100)
+    assert acc.summary(16.0)["lost_steps"] == 27
+    run_steps(acc, 101, 139, 17.0, 0.1, {120: 0.0})
+    acc.end(22.0)
+    acc.launch(3, 23.0, 50)
+    assert [a.lost_steps for a in acc.attempts[:2]] == [77, 39] and acc.summary(23.0)["lost_steps"] == 116
+    acc.resumed(120)  # the ranks found a newer copy after all: attempt 1 keeps up to 100, attempt 2 up to 120
+    assert [a.lost_steps for a in acc.attempts[:2]] == [27, 19]
