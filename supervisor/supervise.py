@@ -333,7 +333,8 @@ class Supervisor:
                 removed += "".join(f"; could not remove {r.path.name}: {why}" for r, why in done.failed)
         blocked = self._blocking.pop(commit.step, None)
         how = f"training blocked {blocked:.3f}s, " if blocked is not None else ""
-        took = f" in {commit.persist_s:.2f}s" if mine else " (committed by rank 0 on another node)"
+        found = " (committed by rank 0 on another node)" if self.cfg.nnodes != "1" else " (found on disk)"
+        took = f" in {commit.persist_s:.2f}s" if mine else found
         self.console.event(f"checkpoint step {commit.step} committed ({how}{commit.bytes / 1e6:.1f} MB{took})"
                            f"{removed}")
         self.save_state()
