@@ -58,6 +58,15 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, durable: bool = True
     atomic_write_bytes(path, data, durable=durable)
 
 
+def file_identity(path: str | os.PathLike) -> list[int] | None:
+    """Which file `path` is now (inode, size, mtime; a replaced or rewritten file is another), or None if none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
 def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file; raises OSError or ValueError like `json.load`."""
     with open(path, "rb") as f:

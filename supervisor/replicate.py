@@ -46,7 +46,7 @@ from typing import Any
 import psutil
 
 from supervisor import retention, store
-from supervisor.fsutil import CHUNK, HashedFile, atomic_write_bytes, fsync_dir, page_aligned_buffer
+from supervisor.fsutil import CHUNK, HashedFile, atomic_write_bytes, file_identity, fsync_dir, page_aligned_buffer
 
 log = logging.getLogger("resilient")
 
@@ -106,25 +106,14 @@ class LocalSaveReplaced(Exception):
     again): the copy starts over with the new save. No failure of the durable tier."""
 
 
-def _save_of(files: list[Any]) -> frozenset[tuple[str, str]]:
-    """What identifies one save across the nodes' parts: the files every node's folder holds alike (DCP's metadata,
-    which names the save, and every rank's small file), by checksum. Records or their dicts."""
-    recs = [f if isinstance(f, store.FileRecord) else _record(f) for f in files]
-    return frozenset((r.name, r.checksum) for r in recs if not r.name.endswith(store.DATA_SUFFIX))
+def _save_of(files: list[Any]) -> str:
+    """What identifies one save across the nodes' parts (store.save_identity), from records or their dicts."""
+    return store.save_identity(f if isinstance(f, store.FileRecord) else _record(f) for f in files)
 
 
 def _record(d: dict[str, Any]) -> store.FileRecord:
     """A file record as a part lists it (`FileRecord.to_dict`)."""
     return store.FileRecord(d["name"], int(d["size"]), d["checksum"])
-
-
-def _identity(path: Path) -> list[int] | None:
-    """Which file `path` is now (a replaced file is another inode): what a part records, and the publish checks."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return [st.st_ino, st.st_size, st.st_mtime_ns]
 
 
 def _replaced(partial: Path, part: dict[str, Any], sums: dict[str, str | None], algorithm: str) -> list[str]:
@@ -134,7 +123,7 @@ def _replaced(partial: Path, part: dict[str, Any], sums: dict[str, str | None], 
     out = []
     for f in part["files"]:
         name = f["name"]
-        if name not in ids or _identity(partial / name) == ids[name]:
+        if name not in ids or file_identity(partial / name) == ids[name]:
             continue
         if name not in sums:
             try:
@@ -230,13 +219,9 @@ class Replicator:
         not copied (ahead of the new training's first steps, they held its durable copies back)."""
         stale = []
         with contextlib.suppress(OSError):
-            for path in store.checkpoint_dirs(self.local_root) if self.local_root.is_dir() else []:
-                m = store.STEP_RE.match(path.name)
-                if m is None or (resumed is not None and int(m.group(1)) <= resumed):
-                    continue
-                info = store.inspect(path)
-                if info.created_at is not None and info.created_at < launched_at:
-                    stale.append(info.step)
+            infos = store.scan(self.local_root) if self.local_root.is_dir() else []
+            stale = [i.step for i in infos if not i.partial and i.step > (-1 if resumed is None else resumed)
+                     and i.created_at is not None and i.created_at < launched_at]
         if stale:
             with self._lock:
                 self._unusable.update(stale)
@@ -415,7 +400,7 @@ class Replicator:
             return
         manifest = info.manifest
         assert manifest is not None
-        marker = _identity(local / store.MARKER)  # which save of this step the copy is of
+        marker = file_identity(local / store.MARKER)  # which save of this step the copy is of
         final = self.durable_root / store.step_dirname(step)
         partial = self.durable_root / store.partial_dirname(step)
         mine = self._part(step)
@@ -455,7 +440,7 @@ class Replicator:
         except BaseException as e:
             os.close(live)
             self._reclaim(partial)
-            if isinstance(e, ValueError) and _identity(local / store.MARKER) != marker:
+            if isinstance(e, ValueError) and file_identity(local / store.MARKER) != marker:
                 raise LocalSaveReplaced(f"local step {step} was saved again while it was copied") from e
             raise
         else:
@@ -499,9 +484,9 @@ class Replicator:
         """Copy `src` to `dest` through a temp name, checksummed while copied; returns the bytes copied (0 when
         `dest` was already there, whole: another node's copy of a shared file, or an earlier try's) and the
         identity of the file whose bytes were checked (a rename keeps it)."""
-        before = _identity(dest)
+        before = file_identity(dest)
         if before is not None and before[1] == rec.size and store.checksum_file(dest, algorithm) == rec.checksum \
-                and _identity(dest) == before:  # the same file throughout the read: not replaced meanwhile
+                and file_identity(dest) == before:  # the same file throughout the read: not replaced meanwhile
             return 0, before
         tmp = dest.with_name(f".{dest.name}.{self.node}.tmp")
         if self._buffer is None:  # one for the replicator's life: fresh pages cost (see store.keep_spare)
@@ -520,7 +505,7 @@ class Replicator:
         if digest != rec.checksum:
             tmp.unlink(missing_ok=True)
             raise ValueError(f"{src} does not match its manifest's checksum: the local copy is damaged")
-        ident = _identity(tmp)
+        ident = file_identity(tmp)
         with root_lock(self.durable_root, fcntl.LOCK_SH):  # never between a publish's checks and its rename
             os.replace(tmp, dest)
         return rec.size, ident

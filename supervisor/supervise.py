@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from supervisor import __version__, api, retention, state, store
+from supervisor import __version__, api, ranklogs, retention, state, store
 from supervisor.api import AttemptOutcome, AttemptSpec, Decision, ResumeChoice
 from supervisor.attempt import Attempt, Launcher
 from supervisor.config import JobConfig
@@ -188,9 +188,8 @@ class Supervisor:
     def _next_attempt_number(self) -> int:
         """After the last recorded attempt, and after every attempt's logs folder (a history lost with a damaged
         state file must not make a new attempt write into an old one's logs and step log)."""
-        logged = [int(p.name.rpartition("_")[2]) for p in self.layout.node_dir.glob("logs/attempt_*")
-                  if p.name.rpartition("_")[2].isdigit()]
-        return max([self.record.history[-1].attempt if self.record.history else 0, *logged]) + 1
+        last = self.record.history[-1].attempt if self.record.history else 0
+        return max([last, *ranklogs.attempts(self.layout.node_dir)]) + 1
 
     def _next_spec(self, choice: ResumeChoice) -> AttemptSpec:
         attempt = self._next_attempt_number()

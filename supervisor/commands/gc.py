@@ -17,7 +17,7 @@ from typing import Any
 
 from supervisor import layout, lock, render, retention, store, targets
 from supervisor.errors import ExitCode, ResilientError, UsageError
-from supervisor.fsutil import write_problem
+from supervisor.fsutil import file_identity, write_problem
 from supervisor.replicate import ROOT_LOCK, root_lock, split_unreplicated
 
 LOCK_WAIT_S = 10.0  # how long gc waits for the nodes' supervisors to leave a durable root's replication lock
@@ -103,13 +103,14 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local
             render.err.print(f"resilient: {note}", markup=False, soft_wrap=True)
     else:
         render.out.print(note, markup=False, soft_wrap=True)
+    keep_local = keep_local or targets.keep_local_of(t)
     deep = None
     if verify:  # read before the replication lock, which the nodes' supervisors wait on while gc holds it
         deep = DeepReads()
         if root is not None:
             deep.read(store.scan(root), keep)
         for _node, lroot in targets.local_tiers(t):
-            deep.read(store.scan(lroot), keep_local or targets.keep_local_of(t))
+            deep.read(store.scan(lroot), keep_local)
     with _replication_paused(root) if root is not None and not dry_run else contextlib.nullcontext():
         return _collect(t, root, keep, dry_run, as_json, keep_local, deep)
 
@@ -140,21 +141,14 @@ class DeepReads:
     def __init__(self) -> None:
         self._read: dict[Path, tuple[list[int] | None, store.CheckpointInfo]] = {}
 
-    @staticmethod
-    def _marker(path: Path) -> list[int] | None:
-        try:
-            st = (path / store.MARKER).stat()
-        except OSError:
-            return None
-        return [st.st_ino, st.st_size, st.st_mtime_ns]
-
     def read(self, infos: list[store.CheckpointInfo], keep: int) -> list[store.CheckpointInfo]:
         out, whole = list(infos), 0
         for i in range(len(out) - 1, -1, -1):
             if whole >= keep:
                 break
             if out[i].valid:
-                path, marker = out[i].path, self._marker(out[i].path)
+                path = out[i].path
+                marker = file_identity(path / store.MARKER)
                 seen = self._read.get(path)
                 if seen is None or seen[0] != marker:
                     seen = self._read[path] = (marker, store.inspect(path, deep=True))
@@ -164,7 +158,7 @@ class DeepReads:
 
 
 def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_json: bool,
-             keep_local: int | None, deep: DeepReads | None = None) -> int:
+             keep_local: int, deep: DeepReads | None = None) -> int:
     infos = store.scan(root, quarantined=True) if root is not None else []
     if deep is not None:  # before anything is judged: a checkpoint kept in place of older ones is whole to its bytes
         infos = deep.read(infos, keep)
@@ -174,8 +168,8 @@ def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_
     for node, lroot in targets.local_tiers(t):  # planned before anything is deleted anywhere
         linfos = store.scan(lroot, quarantined=True)
         if deep is not None:
-            linfos = deep.read(linfos, keep_local or targets.keep_local_of(t))
-        lplan, held = split_unreplicated(retention.plan(lroot, linfos, keep_local or targets.keep_local_of(t),
+            linfos = deep.read(linfos, keep_local)
+        lplan, held = split_unreplicated(retention.plan(lroot, linfos, keep_local,
                                                         owner_alive=owner_alive(t.run_dir)), linfos, durable)
         by_path = {i.path: i for i in linfos}
         spared = [*lplan.spared, *((by_path[r.path], UNREPLICATED) for r in held)]
