@@ -100,25 +100,34 @@ class Supervisor:
     # ---- the loop ---------------------------------------------------------------------------------
 
     def run(self) -> int:
-        prepare = getattr(self.launcher, "prepare", None)
-        if prepare is not None:  # the launcher's helpers start importing while we check checkpoints
-            prepare(self.cfg)
-        self.layout.node_dir.mkdir(parents=True, exist_ok=True)
-        job = self.cfg.to_dict(relative_to=self.cfg.run_dir)
-        atomic_write_json(self.layout.job_file, {"schema_version": 1, "job": job}, durable=False)
+        try:
+            prepare = getattr(self.launcher, "prepare", None)
+            if prepare is not None:  # the launcher's helpers start importing while we check checkpoints
+                prepare(self.cfg)
+            self.layout.node_dir.mkdir(parents=True, exist_ok=True)
+            job = self.cfg.to_dict(relative_to=self.cfg.run_dir)
+            atomic_write_json(self.layout.job_file, {"schema_version": 1, "job": job}, durable=False)
+        except BaseException as e:  # the helpers prepare() started go too; a full run dir is said as one
+            self._close_launcher()
+            if isinstance(e, OSError) and e.errno in NO_ROOM:
+                return self._no_room(e)
+            raise
         self.accounting.start_session(time.time())
         if self.replicator is not None:
             self.replicator.start()
         try:
             return self._loop()
         finally:
-            close = getattr(self.launcher, "close", None)
-            if close is not None:
-                close()
+            self._close_launcher()
             if self.replicator is not None:
                 self._drain_replication()
             self.accounting.end_session(time.time())
             self.save_state()
+
+    def _close_launcher(self) -> None:
+        close = getattr(self.launcher, "close", None)
+        if close is not None:
+            close()
 
     def _drain_replication(self) -> None:
         """Before leaving: the local checkpoints not yet in the durable tier get their copy (bounded: a stop

@@ -676,3 +676,36 @@ def test_a_run_dir_with_no_room_for_the_next_attempt_stops_the_run_with_one_sent
     doc = json.loads((tmp_path / "runs/demo/state.json").read_text())
     assert doc["state"] == "failed" and [h["reason"] for h in doc["history"]] == ["worker_signal", "launcher_died"]
     assert all(h["ended_at"] for h in doc["history"])
+
+
+def test_a_run_dir_with_no_room_for_the_job_file_stops_with_one_sentence_and_closes_the_launcher(tmp_path, cli,
+                                                                                                  monkeypatch):
+    """The job file is written after the launcher's helpers were started: a full disk there once left a traceback
+    and the helpers (the prewarm server) to the interpreter's exit."""
+    import errno
+
+    from supervisor import supervise
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\n")
+    calls: list[str] = []
+
+    class Launcher:
+        def prepare(self, cfg):
+            calls.append("prepare")
+
+        def close(self):
+            calls.append("close")
+
+        def __call__(self, cfg, spec, handover):
+            calls.append("launch")
+
+    def full(path, doc, durable=True):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", Launcher)
+    monkeypatch.setattr(supervise, "atomic_write_json", full)
+    result = cli("run", job)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "the run dir cannot be written" in result.stderr and "job.json" in result.stderr
+    assert calls == ["prepare", "close"]
