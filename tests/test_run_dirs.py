@@ -207,6 +207,23 @@ def test_logs_names_what_is_missing(finished_run, cli):
     assert r.exit_code == 2 and "has no output for rank 5 (ranks: 0, 1)" in r.stderr
     r = cli("logs", run_dir, "--follow")  # a finished run: everything, then it returns
     assert r.exit_code == 0 and r.stdout.count("hello from rank") == 2
+    r = cli("logs", run_dir, "--attempt", "7", "--follow")  # over without it: it printed nothing and said 0
+    assert r.exit_code == 2 and "no attempt 7 (attempts: 1)" in r.stderr
+
+
+def test_logs_follow_of_an_attempt_still_to_come_waits_for_it(tmp_path):
+    from supervisor.commands import logs
+    from supervisor.lock import RunLock
+
+    node = tmp_path / "run"
+    node.mkdir()
+    rec = state.RunRecord(name="x", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.RUNNING)
+    rec.history.append(state.AttemptRecord(attempt=2, started_at=1.0, resumed_from_step=None))
+    state.write(node / "state.json", rec)
+    with RunLock(node):
+        assert not logs._over([node / "state.json"], 2) and not logs._over([node / "state.json"], 3)
+        assert logs._over([node / "state.json"], 1)  # an attempt of the past
+    assert logs._over([node / "state.json"], 3)  # nobody runs it any more
 
 
 def test_status_wait_ranks_waits_for_training_ranks(tmp_path, cli, monkeypatch):

@@ -100,9 +100,15 @@ def _over(files: list[Path], attempt: int | None) -> bool:
         live = not rec.state.final and lock.holder(f.parent) is not None
         if attempt is None and live:
             return False
-        if attempt is not None and live and any(h.attempt == attempt and h.ended_at is None for h in rec.history):
-            return False
+        if attempt is not None and live and (any(h.attempt == attempt and h.ended_at is None for h in rec.history)
+                                             or all(h.attempt < attempt for h in rec.history)):
+            return False  # the pinned attempt runs, or may still come
     return True
+
+
+def _no_attempt(run_dir: Path, attempt: int) -> UsageError:
+    have = sorted({a for d in layout.node_dirs(run_dir) for a in ranklogs.attempts(d)})
+    return UsageError(f"{run_dir}: no attempt {attempt} (attempts: {', '.join(map(str, have)) or 'none'}).")
 
 
 def main(target: str | None, rank: int | None, attempt: int | None, follow: bool, *,
@@ -118,8 +124,7 @@ def main(target: str | None, rank: int | None, attempt: int | None, follow: bool
             nodes.append(NodeLogs(node_dir, k))
     if not nodes and not follow:
         if attempt is not None:
-            have = sorted({a for d in layout.node_dirs(run_dir) for a in ranklogs.attempts(d)})
-            raise UsageError(f"{run_dir}: no attempt {attempt} (attempts: {', '.join(map(str, have)) or 'none'}).")
+            raise _no_attempt(run_dir, attempt)
         raise UsageError(f"{run_dir}: no attempt has started yet; `resilient logs {t.given} --follow` waits for one.")
     for nl in nodes:
         nl.discover(rank)
@@ -148,6 +153,8 @@ def _follow(run_dir: Path, files: list[Path], nodes: list[NodeLogs], rank: int |
             nl = by_dir.get(node_dir)
             if k is None or (nl is not None and nl.attempt == k):
                 continue
+            if attempt is not None and k not in ranklogs.attempts(node_dir):
+                continue  # not begun (yet) on this node
             if nl is not None:  # a relaunch: finish the old attempt's files, then follow the new one
                 _write(nl.read(final=True))
             by_dir[node_dir] = nl = NodeLogs(node_dir, k)
@@ -156,6 +163,8 @@ def _follow(run_dir: Path, files: list[Path], nodes: list[NodeLogs], rank: int |
             nl.discover(rank)
             _write(nl.read(final=over))
         if over:
+            if attempt is not None and not by_dir:  # the run ended (or never ran) without it
+                raise _no_attempt(run_dir, attempt)
             return ExitCode.OK
         time.sleep(poll_s)
         files = layout.state_files(run_dir) or files
