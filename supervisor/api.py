@@ -73,6 +73,9 @@ class Decision:
     quarantine_step: int | None = None  # set this checkpoint aside before relaunching (the ranks failed to load it)
     quarantine: str = ""  # why
     quarantine_local: bool = False  # the copy in this node's local tier
+    # Whole but failing to load: passed over now (resume_below), set aside only once an older checkpoint loads (if
+    # the older one fails the same way, the code changed, not the checkpoints, and neither is touched).
+    quarantine_once_older_loads: bool = False
     final_state: RunState | None = None
     message: str = ""
     counts_as_restart: bool = True

@@ -43,7 +43,7 @@ class RestartPolicy:
     rendezvous_s: float = 600.0
     rendezvous_since: float | None = None  # when the current run of rendezvous failures began
     load_failures: dict[int, int] = field(default_factory=dict)  # checkpoint step -> failed loads
-    unloadable_set_aside: int = 0  # whole checkpoints set aside because they failed to load twice
+    unloadable: list[int] = field(default_factory=list)  # whole checkpoints passed over: they failed to load twice
 
     def decide_rendezvous(self, outcome: AttemptOutcome, now: float) -> Decision:
         """A launch that never got its ranks started: retry soon, bounded in time, not counted."""
@@ -103,32 +103,40 @@ class RestartPolicy:
         left = self.cfg.max_restarts - self.restarts
         message = f"restart {self.restarts}/{self.cfg.max_restarts} ({left} left) in {wait:.1f}s"
         if set_aside is not None:
+            step, why, later = set_aside
             local = load is not None and load.local
-            return Decision(True, wait_s=wait, quarantine_step=set_aside[0], quarantine=set_aside[1],
-                            quarantine_local=local, message=f"{message}, from the durable tier" if local else
-                            f"{message}, from the checkpoint before step {set_aside[0]}")
+            return Decision(True, wait_s=wait, quarantine_step=step, quarantine=why, quarantine_local=local,
+                            quarantine_once_older_loads=later, resume_below=step if later else None,
+                            message=f"{message}, from the durable tier" if local else
+                            f"{message}, from the checkpoint before step {step}")
         return Decision(True, wait_s=wait, resume_below=resume_below, message=message)
 
-    def _unloadable(self, load: LoadFailure, outcome: AttemptOutcome) -> Decision | tuple[int, str] | None:
-        """Set the checkpoint aside (step, why), try it once more (None), or stop (a Decision)."""
+    def _unloadable(self, load: LoadFailure, outcome: AttemptOutcome) -> Decision | tuple[int, str, bool] | None:
+        """Set the checkpoint aside (step, why, only once an older one loads), try it once more (None), or stop
+        (a Decision)."""
         if load.local:  # the durable tier (or an older local copy) is still there: no second try needed
-            return load.step, f"{load.corrupt}: {outcome.detail}"
+            return load.step, f"{load.corrupt}: {outcome.detail}", False
         failed = self.load_failures[load.step] = self.load_failures.get(load.step, 0) + 1
         if load.corrupt is not None:
             why = f"{load.corrupt} (a full check after the ranks failed to load it)"
         elif failed < 2:
             return None  # whole: a passing fault (a filesystem hiccup) deserves one more try
-        elif self.unloadable_set_aside >= 1:
-            return self._stop(f"checkpoint step {load.step} checks whole but failed to load twice, as an older "
-                              f"one did before it: the checkpoints no longer match the training code or model "
-                              f"({outcome.detail})")
+        elif self.unloadable and load.step not in self.unloadable:
+            return self._stop(f"checkpoint step {load.step} checks whole but failed to load twice, as step "
+                              f"{self.unloadable[0]} did before it: the checkpoints no longer match the training "
+                              f"code or model, and both are left where they are ({outcome.detail})")
         else:
-            why = "every byte checks, but the ranks failed to load it twice"
-            self.unloadable_set_aside += 1
+            self.unloadable.append(load.step)
+            if load.older_valid is None:
+                return self._stop(f"checkpoint step {load.step} checks whole but failed to load twice "
+                                  f"({outcome.detail}) and no older valid checkpoint exists; it is left where it "
+                                  "is: if the training code changed, change it back, or move the checkpoint aside "
+                                  "to start from step 0")
+            return load.step, f"every byte checks, but the ranks failed to load it twice: {outcome.detail}", True
         if load.older_valid is None:
             return self._stop(f"checkpoint step {load.step} cannot be used ({why}: {outcome.detail}) and no older "
                               f"valid checkpoint exists; move it aside to start from step 0")
-        return load.step, f"{why}: {outcome.detail}"
+        return load.step, f"{why}: {outcome.detail}", False
 
     @staticmethod
     def _stop(message: str) -> Decision:

@@ -96,6 +96,8 @@ class Supervisor:
                                       announce=lambda text, style: self.console.event(text, style=style))
                            if self.local_root is not None else None)
         self._local_step: int | None = None
+        # A whole checkpoint the ranks failed to load twice: passed over, set aside once an older one loads.
+        self._suspect: tuple[int, str] | None = None
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -177,6 +179,8 @@ class Supervisor:
     def _choose(self, below: int | None) -> ResumeChoice:
         """The newest valid checkpoint; a committed one found corrupt on the way is set aside for good (a
         rerun must not trip over it again), the older ones are left to retention."""
+        if self._suspect is not None:
+            below = min(below, self._suspect[0]) if below is not None else self._suspect[0]
         choice = self._choose_in(self.cfg.checkpoint.dir, below)
         if self.local_root is not None:  # the node's local tier: the ranks take it if every node has the step
             local = self._choose_in(self.local_root, below)
@@ -351,6 +355,11 @@ class Supervisor:
         self.save_state(force=False)
 
     def on_resumed(self, step: int | None, tier: str | None, launched_at: float) -> None:
+        if self._suspect is not None and step is not None and step < self._suspect[0]:
+            suspect, why = self._suspect  # an older checkpoint loads where it did not: it is the checkpoint's fault
+            self._suspect = None
+            self._quarantine(self.cfg.checkpoint.dir / store.step_dirname(suspect),
+                             f"{why}; step {step} loads")
         if self.replicator is not None and tier == "durable":
             self.replicator.pass_over_older_timeline(step, launched_at)
 
@@ -412,7 +421,7 @@ class Supervisor:
         self._set_aside(decision)
         self.record.restarts = self._restarts_before + self.policy.restarts
         self._transition(RunState.RESTARTING)
-        if decision.resume_below is not None:
+        if decision.resume_below is not None and not decision.quarantine_once_older_loads:
             self.console.event(f"rolling back: resuming below step {decision.resume_below} once", style="yellow")
         self.console.event(decision.message, style="yellow")
         if self._wake.wait(decision.wait_s):
@@ -420,7 +429,11 @@ class Supervisor:
         return decision.resume_below
 
     def _set_aside(self, decision: Decision) -> None:
-        if decision.quarantine_step is not None:
+        if decision.quarantine_once_older_loads and decision.quarantine_step is not None:
+            self._suspect = (decision.quarantine_step, decision.quarantine)
+            self.console.event(f"passing over step {decision.quarantine_step}: {decision.quarantine}; it is set "
+                               "aside once an older checkpoint loads", style="yellow")
+        elif decision.quarantine_step is not None:
             root = self.local_root if decision.quarantine_local and self.local_root else self.cfg.checkpoint.dir
             self._quarantine(root / store.step_dirname(decision.quarantine_step), decision.quarantine)
 

@@ -94,6 +94,23 @@ def test_a_whole_checkpoint_the_ranks_cannot_load_is_retried_then_set_aside_once
     assert [c["step"] for c in q] == [40] and "failed to load it twice" in q[0]["reason"]
 
 
+def test_checkpoints_that_no_longer_match_the_training_code_are_left_where_they_are(tmp_path):
+    """The model changed between runs (a wider embedding): every checkpoint is whole and none loads. The run
+    stops naming the cause, and no checkpoint is set aside: with the code changed back, the newest resumes (the
+    first whole one failing twice was once quarantined at once, losing it for good)."""
+    run_dir = tmp_path / "run"
+    finish(run_job(run_dir, steps=40, sleep=0.0), tmp_path, "first.log")
+    console = finish(run_job(run_dir, "restart.crash_loop_attempts=9", steps=60, sleep=0.0,
+                             extra_args=("--n-embd", "32")), tmp_path, "second.log", expect=1)
+    doc = status(run_dir)
+    assert [h["resumed_from_step"] for h in doc["history"][1:]] == [40, 40, 20, 20], doc["history"]
+    assert "passing over step 40" in console and "as step 40 did before it" in doc["message"]
+    assert "both are left where they are" in doc["message"] and doc["quarantined"] == []
+    assert [c["step"] for c in inspect_json(run_dir)["checkpoints"] if c["status"] == "valid"] == [20, 40]
+    console = finish(run_job(run_dir, steps=60, sleep=0.0), tmp_path, "third.log")  # the code as it was
+    assert status(run_dir)["history"][-1]["resumed_from_step"] == 40, console
+
+
 def test_a_full_disk_at_the_marker_leaves_nothing_valid_and_a_rerun_with_room_resumes(tmp_path, small_disk):
     """A real ENOSPC for the completion marker itself: rank 0's data is durable, the marker cannot be written."""
     run_dir = tmp_path / "run"

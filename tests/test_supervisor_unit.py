@@ -444,11 +444,13 @@ def test_a_whole_checkpoint_is_retried_once_set_aside_after_two_failures_and_onl
     assert first.relaunch and first.quarantine_step is None  # a passing fault gets one more try
     second = p.decide(load_failed(), progressed=False, newest_valid=40, older_valid=20, load=whole)
     assert second.relaunch and second.quarantine_step == 40 and "failed to load it twice" in second.quarantine
-    # The older one fails the same way: the checkpoints no longer match the code; stop, set nothing else aside.
+    assert second.quarantine_once_older_loads and second.resume_below == 40  # passed over; set aside only later
+    # The older one fails the same way: the checkpoints no longer match the code; stop, set nothing aside.
     older = LoadFailure(20, None, older_valid=10)
     assert p.decide(load_failed(20), progressed=False, newest_valid=20, older_valid=10, load=older).relaunch
     stop = p.decide(load_failed(20), progressed=False, newest_valid=20, older_valid=10, load=older)
     assert not stop.relaunch and stop.quarantine_step is None and "no longer match" in stop.message
+    assert "as step 40 did before it" in stop.message and "both are left where they are" in stop.message
 
 
 def test_a_bad_checkpoint_stops_the_run_only_when_nothing_older_is_valid():
