@@ -110,7 +110,10 @@ class Checkpointer:
         self._announced = 0  # the stager's allocations the log has told of
         # Reused by every save: with plan caching, a save whose layout did not change reuses the previous save's
         # global plan and metadata instead of planning and exchanging them again (less Python in the persist).
-        self._planner = DefaultSavePlanner(enable_plan_caching=True)
+        # A value every rank offers under one key is written once; always rank 0's copy (DCP's default balances
+        # them over the ranks): per-rank values there (DDP's BatchNorm buffers, which DDP broadcasts from rank 0
+        # at each forward) come back as rank 0's, the same every save.
+        self._planner = DefaultSavePlanner(enable_plan_caching=True, dedup_save_to_lowest_rank=True)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.in_flight: int | None = None

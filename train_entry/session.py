@@ -99,6 +99,8 @@ class Session:
         self._window_steps = 0
         self._window_start: float | None = None
         self._mean: float | None = None
+        self._step_warned = self._position_warned = False
+        self._finished: int | None = None
 
     # ---- start --------------------------------------------------------------------------------------
 
@@ -110,6 +112,10 @@ class Session:
               sync_every: int = 0) -> Session:
         """Join the job. What the supervisor handed over (environment) wins over these arguments, which
         are the settings for a plain `torchrun` launch."""
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            sys.exit(f"resilient: {' and '.join(missing)} not set: start this script with torchrun "
+                     "(`torchrun --nproc-per-node N SCRIPT`) or with `resilient run JOB.yaml`.")
         h = Handover.from_env()
         rank = int(os.environ.get("RANK", 0))
         _setup_logging(rank)
@@ -374,7 +380,9 @@ class Session:
         an agreement covers about SYNC_TARGET_S of training: 1 for steps of a second or more, more for
         tiny steps, where one all-reduce costs a few percent of a step (bench: ~1.6 ms on 2 busy cores).
 
-        Returns the mean loss over all ranks of the last agreed window.
+        Returns the mean loss over all ranks of the last agreed window: the same on every rank, but for logging
+        only, since which steps a window holds depends on the measured step time and the resume step (feed a
+        scheduler such as ReduceLROnPlateau a loss you all-reduce yourself, or a resumed run will not match).
         """
         value = 0.0 if loss is None else float(loss)
         if loss is not None and not math.isfinite(value):
@@ -439,10 +447,17 @@ class Session:
         return step % self.interval == 0
 
     def save(self, step: int, state: TrainState, *, sync: bool | None = None) -> float | None:
-        """Checkpoint `state` as `step`. Async unless `sync` or stopping; returns the seconds training was
-        blocked, or None if skipped (already saved, or a stop whose grace cannot fit a save)."""
+        """Checkpoint `state` as `step` (which becomes `state.step` if it was not). Async unless `sync` or
+        stopping; returns the seconds training was blocked, or None if skipped (already saved, or a stop whose
+        grace cannot fit a save)."""
         if step == self.last_saved_step:
             return None
+        if state.step != step:  # the checkpoint of `step` must say `step`: a resume checks it and refuses otherwise
+            if self.ctx.is_main and not self._step_warned:
+                log.warning("save(%d) with state.step %d: the checkpoint records step %d (set state.step = step "
+                            "before saving)", step, state.step, step)
+            self._step_warned = True
+            state.step = step
         if self.stop_requested and not self._grace_allows():
             if self.ctx.is_main:
                 log.warning("stopping without a checkpoint of step %d: the grace period is too short", step)
@@ -464,15 +479,23 @@ class Session:
         rank's copy and hand it to every rank at the resume. A drifted one ends every rank with EXIT_CONFIG."""
         sd = state.state_dict(self.rank, self.device)
         keys = state.replicated_keys()
-        if keys:
-            mine = [int.from_bytes(hashlib.blake2b(sd[k], digest_size=7).digest(), "little") for k in keys]
-            t = torch.tensor(mine + [-d for d in mine], dtype=torch.int64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the largest and, negated, the smallest of each digest
-            for i, what in enumerate(keys.values()):
-                if int(t[i]) != -int(t[len(mine) + i]):
-                    self._exit_config("save", -1, f"{what} differs between the ranks, so it is not replicated: "
-                                      "only one rank's copy would be saved; declare it PerRank",
-                                      everyone_failed=True)
+        if self.world_size == 1:
+            return sd
+        blobs = [sd[k] for k in keys] + [sd["train"].encode()]
+        mine = [int.from_bytes(hashlib.blake2b(b, digest_size=7).digest(), "little") for b in blobs]
+        t = torch.tensor(mine + [-d for d in mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the largest and, negated, the smallest of each digest
+        same = [int(t[i]) == -int(t[len(mine) + i]) for i in range(len(mine))]
+        for ok, what in zip(same[:-1], keys.values(), strict=True):
+            if not ok:
+                self._exit_config("save", -1, f"{what} differs between the ranks, so it is not replicated: "
+                                  "only one rank's copy would be saved; declare it PerRank", everyone_failed=True)
+        if not same[-1] and not self._position_warned:
+            self._position_warned = True
+            if self.ctx.is_main:
+                log.warning("the training position (state.step, samples_seen, tokens_seen, extra) differs between "
+                            "the ranks at step %d: the checkpoint keeps rank 0's and a resume gives it to every "
+                            "rank; count them the same on every rank (global counts)", state.step)
         return sd
 
     def _grace_allows(self) -> bool:
@@ -492,8 +515,11 @@ class Session:
     def finish(self, step: int, state: TrainState) -> int:
         """Save the final step (if not saved yet), wait for the save in flight, say goodbye.
 
-        Returns the exit code: 0 when training ended, EXIT_PREEMPTED (75) when stopped by a signal.
+        Returns the exit code: 0 when training ended, EXIT_PREEMPTED (75) when stopped by a signal; a second
+        call returns it again and does nothing else.
         """
+        if self._finished is not None:
+            return self._finished
         code = EXIT_PREEMPTED if self.stop_requested else 0
         self.save(step, state, sync=True)
         if self.ckpt.in_flight is not None:  # the last interval's save still persists: not held to progress
@@ -504,6 +530,7 @@ class Session:
         dist.destroy_process_group()
         if self.ctx.is_main:
             log.info("%s at step %d", "preempted" if code else "finished", step)
+        self._finished = code
         return code
 
     def _exit_unloadable(self, step: int, path: Any, error: BaseException) -> None:

@@ -62,7 +62,8 @@ def seed_rank(seed: int, rank: int, step: int, device: torch.device) -> None:
 class TrainState:
     """The resumable state of a training run.
 
-    `extra` holds small JSON values that are the same on every rank (a user's own counters). `stateful`
+    `step`, `samples_seen`, `tokens_seen` and `extra` (small JSON values: a user's own counters, restored into
+    the same dict) must be the same on every rank: global counts. A checkpoint keeps rank 0's. `stateful`
     holds the loop's other objects with state_dict()/load_state_dict(), each declared Replicated, Sharded or
     PerRank (train_entry.stateful): a GradScaler, an EMA, a stateful data loader. The declarations are read
     once, when the TrainState is built.
@@ -78,6 +79,9 @@ class TrainState:
     stateful: Mapping[str, Declared] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"TrainState(model, optimizer, ...): the optimizer is {type(self.optimizer).__name__}, "
+                            "not a torch.optim.Optimizer; pass the one training steps with")
         self._stateful = StatefulSet(self.stateful)  # checks names and declarations now, not at the first save
 
     def position(self) -> dict[str, Any]:
@@ -136,7 +140,8 @@ class TrainState:
             self.scheduler.load_state_dict(sd["scheduler"])
         pos = json.loads(sd["train"])
         self.step, self.samples_seen, self.tokens_seen = pos["step"], pos["samples_seen"], pos["tokens_seen"]
-        self.extra = pos.get("extra", {})
+        self.extra.clear()  # in place: the caller may hold this dict and go on counting in it
+        self.extra.update(pos.get("extra", {}))
         try:
             # Before the RNG: an object's load_state_dict may draw random numbers, which the uninterrupted
             # run never drew; restoring the RNG afterwards keeps the resumed run on the same stream.
