@@ -15,7 +15,8 @@ from tests.proc import child_env, free_port, started
 pytestmark = pytest.mark.slow
 
 # A plain DDP model with BatchNorm (buffers each rank updates on its own batch; DDP broadcasts rank 0's at each
-# forward), a counter dict the script keeps, a per-rank token count, and `state.step = step` forgotten.
+# forward) and two 2 MiB layers, a counter dict the script keeps, a per-rank token count, and `state.step = step`
+# forgotten.
 SCRIPT = '''
 import sys
 import torch
@@ -26,8 +27,9 @@ from train_entry import Session, TrainState
 total, out = int(sys.argv[1]), sys.argv[2]
 session = Session.start(ckpt_dir="ckpt", ckpt_interval=5, async_save=False)
 torch.manual_seed(0)
-model = DDP(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model = DDP(nn.Sequential(nn.Linear(4, 512), nn.BatchNorm1d(512), nn.Linear(512, 1024), nn.Linear(1024, 512),
+                          nn.Linear(512, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.001)
 counters = {"batches": 0}
 state = TrainState(model, opt, extra=counters)
 step = session.resume(state)
@@ -75,6 +77,9 @@ def test_a_users_ddp_script_with_its_slips_resumes_bitwise(tmp_path):
     run(straight, script, 20, "end")
     first = run(resumed, script, 10, "half")
     assert first.count("the training position") == 1 and "save(5) with state.step 0" in first
+    # The small values every rank holds are written by rank 0; the big ones are still spread over the ranks.
+    saved = resumed / "ckpt" / "step_000000010"
+    assert (saved / "__1_1.distcp").stat().st_size > 2 << 20 and (saved / "__0_1.distcp").stat().st_size > 2 << 20
     second = run(resumed, script, 20, "end")
     assert "resumed from step 10" in second
     for rank in (0, 1):

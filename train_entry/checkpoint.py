@@ -30,6 +30,7 @@ from supervisor import store
 from supervisor.protocol import CommitRecord
 from train_entry.dist import DistContext
 from train_entry.staging import HostStager
+from train_entry.state import offered_by_every_rank
 from train_entry.storage import RawReader, RawWriter
 
 log = logging.getLogger("train_entry")
@@ -110,10 +111,7 @@ class Checkpointer:
         self._announced = 0  # the stager's allocations the log has told of
         # Reused by every save: with plan caching, a save whose layout did not change reuses the previous save's
         # global plan and metadata instead of planning and exchanging them again (less Python in the persist).
-        # A value every rank offers under one key is written once; always rank 0's copy (DCP's default balances
-        # them over the ranks): per-rank values there (DDP's BatchNorm buffers, which DDP broadcasts from rank 0
-        # at each forward) come back as rank 0's, the same every save.
-        self._planner = DefaultSavePlanner(enable_plan_caching=True, dedup_save_to_lowest_rank=True)
+        self._planner = DefaultSavePlanner(enable_plan_caching=True)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.in_flight: int | None = None
@@ -196,7 +194,7 @@ class Checkpointer:
             pause = self.pause
             writer = RawWriter(path, arena=arena,
                                after_data=(lambda: pause.maybe("mid_data", step, path)) if pause else None,
-                               spares=self.root if self.local else None)
+                               spares=self.root if self.local else None, shared=offered_by_every_rank)
             dcp.save(sd, storage_writer=writer, process_group=group, planner=self._planner)
             # The files this rank wrote, checksummed as they were written (what dcp.save returns differs by
             # release, and is not needed). With a local tier every node's folder needs every rank's small file

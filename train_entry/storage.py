@@ -58,6 +58,7 @@ METADATA = ".metadata"
 ALIGN = 64
 READ_GAP = 1 << 20  # ranges closer than this are read as one
 BOUNCE = 64 << 20  # bytes per pinned buffer that a load to a GPU reads through (two of them)
+SMALL = 1 << 20  # a value every rank offers up to this size is written from rank 0 (RawWriter's `shared`)
 
 
 @dataclass(frozen=True)
@@ -117,12 +118,21 @@ class RawWriter(StorageWriter):
         after_data: called once this rank's data file is durable (a test hook pauses or fills the disk there).
         spares: a local tier's root: the data file is written over one of its spare files when there is one
             (store.claim_spare), reusing the pages of a deleted checkpoint instead of taking new ones.
+        shared: which keys every rank offers (train_entry.state.offered_by_every_rank). DCP writes such a value
+            once, from whichever rank balances the writes best; a value that is per rank all the same (DDP's
+            BatchNorm buffers, a per-rank count) would then come back as that rank's, a different one from save
+            to save. So the small ones (up to SMALL bytes) are offered by the coordinator (rank 0) alone, and
+            always come back as rank 0's; the big ones (a DDP model's parameters, the same on every rank) are
+            still spread over the ranks.
     """
 
     def __init__(self, path: str | os.PathLike, *, arena: torch.Tensor | None = None,
-                 after_data: Callable[[], None] | None = None, spares: Path | None = None):
+                 after_data: Callable[[], None] | None = None, spares: Path | None = None,
+                 shared: Callable[[str], bool] | None = None):
         super().__init__()
         self.path = Path(path)
+        self.shared = shared
+        self.is_coordinator = False
         self.arena = arena
         self.spares = spares
         self.reused = 0  # files written over a spare
@@ -145,7 +155,14 @@ class RawWriter(StorageWriter):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        if self.shared is None or self.is_coordinator or not getattr(plan, "usable", True):
+            return plan  # (an unusable plan: DCP's plan cache says it did not change since the last save)
+        return dataclasses.replace(plan, items=[i for i in plan.items if not self._from_rank0(i)])
+
+    def _from_rank0(self, item: WriteItem) -> bool:
+        assert self.shared is not None
+        return item.type != WriteItemType.SHARD and (item.tensor_storage_size() or 0) <= SMALL and \
+            self.shared(item.index.fqn)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return [dataclasses.replace(plan, storage_data=f"__{i}_") for i, plan in enumerate(plans)]
