@@ -99,9 +99,17 @@ def test_the_arena_is_allocated_once_and_reused_until_the_layout_changes(ctx, tm
     ckpt.wait()
     assert ckpt._stager.allocations == 1 and arena.data_ptr() == ckpt._stager.arena.data_ptr()
     assert [i.step for i in store.scan(tmp_path) if i.valid] == [1, 2, 3]
+    import weakref
+
     import torch
 
-    live["ids"] = torch.arange(11)  # the state's layout changed: a new arena
+    from train_entry.staging import _layout
+
+    old_arena = weakref.ref(ckpt._stager.arena.untyped_storage())
+    del arena
+    live["ids"] = torch.arange(11)  # the state's layout changed: a new arena, and nothing holds the old one
+    ckpt._stager._allocate(_layout(live))
+    assert old_arena() is None, "the old arena is still held (the planner kept the last save's staged state)"
     ckpt.save(4, lambda: live, sync=True)
     ckpt.save(5, lambda: live, sync=False)
     ckpt.wait()

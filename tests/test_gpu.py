@@ -55,6 +55,38 @@ def test_host_staging_is_pinned_allocated_once_and_a_snapshot():
     assert stager.allocations == 2
 
 
+def test_a_refused_host_registration_leaves_no_cuda_error_behind(monkeypatch):
+    """cudaHostRegister refused (a locked-memory limit): the arena falls back to torch's pinned allocator, and the
+    refusal's error must not stay with the training thread (its next kernel failed with it: invalid argument)."""
+    from train_entry import staging
+
+    real = torch.cuda.cudart()
+
+    class Refusing:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            return real.cudaHostRegister(0, nbytes, flags)  # a real call that CUDA refuses: an invalid pointer
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    stager = staging.HostStager(pin_memory=True, device=torch.device("cuda", 0))
+    staged = stager.stage({"w": torch.randn(256, 256, device="cuda")})
+    assert staged["w"].is_pinned() and not stager._registered
+    x = torch.ones(1024, device="cuda") * 2  # a kernel in this thread, after the refusal
+    torch.cuda.synchronize()
+    assert float(x.sum()) == 2048.0
+
+
+def test_a_replicated_states_bytes_do_not_name_its_gpu():
+    """torch.save writes each tensor's device: the same EMA on cuda:0 and cuda:1 were different bytes, and every
+    multi-GPU run with a Replicated object holding CUDA tensors stopped at its start (exit 78)."""
+    from train_entry.stateful import pack
+
+    t = torch.arange(12.0)
+    assert pack({"w": t.cuda()}) == pack({"w": t}) and b"cuda" not in pack({"w": t.cuda()})
+
+
 def test_nccl_run_survives_two_sigkills_resumes_bitwise_exact_and_verifies(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     with started(gpu_job(straight, 160), tmp_path, log=tmp_path / "straight.log") as sup:

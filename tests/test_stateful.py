@@ -4,6 +4,7 @@ into the template; tests/test_stateful_e2e.py runs the real thing."""
 
 from __future__ import annotations
 
+import collections
 import re
 from typing import Any
 
@@ -82,6 +83,18 @@ def test_a_bytes_leaf_round_trips_any_structure_exactly():
     assert back["a"] == [1, 2.5, "x"] and back["nested"] == {"k": (1, 2)}
     assert torch.equal(back["gen"], state["gen"])
     assert pack(state) == pack(unpack(pack(state)))  # deterministic: ranks compare digests of it
+
+
+Pair = collections.namedtuple("Pair", "a b")  # at module level: pickle finds it by name
+
+
+def test_a_bytes_leaf_keeps_the_containers_own_types():
+    counts = collections.defaultdict(int, {"x": 2})
+    state = {"o": collections.OrderedDict(w=torch.ones(2)), "d": counts, "p": Pair(torch.zeros(1), [3])}
+    back = unpack(pack(state))
+    assert type(back["o"]) is collections.OrderedDict and torch.equal(back["o"]["w"], torch.ones(2))
+    assert type(back["d"]) is collections.defaultdict and back["d"]["missing"] == 0 and back["d"]["x"] == 2
+    assert back["p"].b == [3] and torch.equal(back["p"].a, torch.zeros(1))
 
 
 def test_a_world_size_change_hands_every_rank_state_to_the_hook_in_rank_order():

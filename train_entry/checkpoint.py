@@ -195,7 +195,10 @@ class Checkpointer:
             writer = RawWriter(path, arena=arena,
                                after_data=(lambda: pause.maybe("mid_data", step, path)) if pause else None,
                                spares=self.root if self.local else None, shared=offered_by_every_rank)
-            dcp.save(sd, storage_writer=writer, process_group=group, planner=self._planner)
+            try:
+                dcp.save(sd, storage_writer=writer, process_group=group, planner=self._planner)
+            finally:  # the planner keeps the state it planned (views of the staging arena) until the next save:
+                self._planner.state_dict = {}  # a new layout's arena would be allocated beside the old one
             # The files this rank wrote, checksummed as they were written (what dcp.save returns differs by
             # release, and is not needed). With a local tier every node's folder needs every rank's small file
             # and the metadata, so those travel too (their bytes: small).

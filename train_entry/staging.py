@@ -118,7 +118,8 @@ class HostStager:
                     end += (shape.numel() * dtype.itemsize + ALIGN - 1) // ALIGN * ALIGN
             if sharded:
                 end = (end + PAGE - 1) // PAGE * PAGE
-        arena, registered = _page_aligned_empty(max(end, PAGE), self.pin_memory)
+        arena, registered = (_pinned_apart(max(end, PAGE), self.device) if self.pin_memory
+                             else _page_aligned_empty(max(end, PAGE), False))
         for path, shape, dtype, _ in layout:
             nbytes = shape.numel() * dtype.itemsize
             self._slots[path] = arena[offsets[path]:offsets[path] + nbytes].view(dtype).view(shape)
@@ -146,6 +147,30 @@ class HostStager:
         if device_copies and torch.cuda.is_available():
             torch.cuda.synchronize()  # once, after every copy was issued
         return staged
+
+
+def _pinned_apart(nbytes: int, device: torch.device | None) -> tuple[torch.Tensor, bool]:
+    """`_page_aligned_empty(nbytes, True)` in a thread of its own. A refused cudaHostRegister leaves CUDA's last
+    error set in the calling thread (torch's bindings cannot clear it), and the next kernel launched there fails
+    with it (measured on an H100: `CUDA error: invalid argument`); in a thread that ends, the error ends with it.
+    An arena allocated in the training thread (sync saves, a save before the background preparation, a new
+    layout) would otherwise kill the rank at its first step after every save."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)  # not a context on GPU 0
+            out["arena"] = _page_aligned_empty(nbytes, True)
+        except BaseException as e:  # raised in the caller's thread below
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="resilient-staging-pin", daemon=True)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["arena"]
 
 
 def _page_aligned_empty(nbytes: int, pin_memory: bool) -> tuple[torch.Tensor, bool]:

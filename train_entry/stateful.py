@@ -34,6 +34,7 @@ object; `Session.resume` turns it into exit code 78 on every rank.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import re
@@ -91,10 +92,29 @@ Declared = Replicated | Sharded | PerRank
 
 
 def pack(state: Any) -> bytes:
-    """A state dict as bytes (torch.save: tensors, numbers, strings, nested containers)."""
+    """A state dict as bytes (torch.save: tensors, numbers, strings, nested containers). Tensors go to the CPU
+    first: torch.save writes each one's device (`cuda:1`), so the same values on two GPUs would be different bytes
+    (and a Replicated object's ranks would seem to differ). They come back on the CPU; load_state_dict copies them
+    where they belong."""
     buf = io.BytesIO()
-    torch.save(state, buf)
+    torch.save(_on_cpu(state), buf)
     return buf.getvalue()
+
+
+def _on_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu() if obj.device.type != "cpu" else obj
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # the dict's own type: an OrderedDict, a defaultdict
+        for k, v in obj.items():
+            out[k] = _on_cpu(v)
+        return out
+    if isinstance(obj, (list, tuple)):
+        items = [_on_cpu(v) for v in obj]
+        if isinstance(obj, list):
+            return items
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
 
 
 def unpack(blob: bytes) -> Any:
