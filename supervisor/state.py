@@ -132,6 +132,15 @@ class RunRecord:
         return cls(**kw)
 
 
+def retired(records: list[tuple[RunRecord, bool]]) -> list[bool]:
+    """For each node's (record, supervisor alive): whether the run has gone on without it. A node is retired when
+    its supervisor is gone and another node launched an attempt after its record's last word: a Slurm requeue onto
+    other hosts, a node lost for good while the others finished. Its state, ranks and history are the past."""
+    launched = [max((h.started_at for h in rec.history), default=0.0) for rec, _ in records]
+    return [not alive and any(j != i and t > rec.updated_at for j, t in enumerate(launched))
+            for i, (rec, alive) in enumerate(records)]
+
+
 class StateFileError(ValueError):
     """A state file this version cannot read; `damaged` when its bytes are no state file of any version (a machine
     that crashed mid-write), as against another version's file or one the filesystem would not give."""

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from supervisor import __version__, api, ranklogs, retention, state, store
+from supervisor import __version__, api, lock, ranklogs, retention, state, store
 from supervisor.api import AttemptOutcome, AttemptSpec, Decision, ResumeChoice
 from supervisor.attempt import Attempt, Launcher
 from supervisor.config import JobConfig
@@ -31,7 +31,7 @@ from supervisor.errors import ConfigError, ExitCode
 from supervisor.fsutil import atomic_write_json
 from supervisor.goodput import Accounting
 from supervisor.interval import IntervalTuner
-from supervisor.layout import RunLayout, recorded
+from supervisor.layout import RunLayout, recorded, state_files
 from supervisor.policy import LoadFailure, RestartPolicy
 from supervisor.protocol import CommitRecord, Control, Handover, SaveRecord, StepRecord, write_control
 from supervisor.rdzv import Generations, run_id
@@ -510,6 +510,8 @@ class Supervisor:
                 os.replace(self.layout.state_file, kept)  # damaged (a crash of the machine): kept, not overwritten
                 self.console.event(f"{e}: kept as {kept.name}; this run's history starts afresh (the checkpoints "
                                    "are read as always)", style="red")
+        else:
+            prev = self._predecessor()
         self._prev_updated_at = prev.updated_at if prev else None
         rec = RunRecord(name=self.cfg.name, run_dir=".",  # paths relative to the run dir: layout.recorded
                         checkpoint_dir=recorded(self.cfg.checkpoint.dir, self.cfg.run_dir),
@@ -525,6 +527,26 @@ class Supervisor:
             rec.accounting, rec.restarts = prev.accounting, prev.restarts
         rec.supervisor = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time(),
                           "version": __version__}
+        return rec
+
+    def _predecessor(self) -> RunRecord | None:
+        """For a node new to this run dir (a Slurm requeue onto other hosts, a replaced node): the record of the
+        run as the nodes before it left it, the newest whose supervisor is gone, so that attempts, history and
+        goodput go on from there rather than start again (`status` retires the old nodes: state.retired)."""
+        found: list[tuple[float, RunRecord]] = []
+        for f in state_files(self.cfg.run_dir):
+            if f == self.layout.state_file or lock.holder(f.parent) is not None:
+                continue
+            try:
+                rec = state.read(f)
+            except state.StateFileError:
+                continue
+            found.append((rec.updated_at, rec))
+        if not found:
+            return None
+        rec = max(found, key=lambda x: x[0])[1]
+        self.console.event(f"node {self.layout.node_name} is new to this run dir: its history and goodput go on from "
+                           f"{'node ' + rec.node if rec.node else 'the single-node record'} (attempt {rec.attempt})")
         return rec
 
     def save_state(self, force: bool = True) -> None:

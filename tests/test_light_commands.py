@@ -337,3 +337,35 @@ def test_logs_follow_ends_when_the_state_file_is_gone_and_no_supervisor_holds_th
     with RunLock(node):  # a live supervisor still holds it: its next write may be readable
         assert not logs._over([node / "state.json"], None)
     assert logs._over([tmp_path / "deleted" / "state.json"], None)
+
+
+def test_nodes_the_run_went_on_without_are_retired_and_do_not_count(tmp_path, cli):
+    """Nodes a and b (their supervisors gone) were followed by c and d, whose attempts began after a's and b's
+    last word: the run is c's and d's. A node whose supervisor is gone but that nobody followed still counts."""
+    run_dir = tmp_path / "run"
+
+    def node(name, st, updated, launched, rank):
+        rec = state.RunRecord(name="mn", run_dir=".", checkpoint_dir="checkpoints", node=name, state=st,
+                              attempt=1, ranks=[{"rank": rank, "pid": 1, "step": 5, "alive": True, "phase": "train",
+                                                 "world_size": 2, "node": name}])
+        rec.history.append(state.AttemptRecord(attempt=1, started_at=launched, resumed_from_step=None))
+        (run_dir / "nodes" / name).mkdir(parents=True)
+        path = run_dir / "nodes" / name / "state.json"
+        state.write(path, rec)
+        doc = json.loads(path.read_text())
+        doc["updated_at"] = updated
+        path.write_text(json.dumps(doc))
+
+    node("a", state.RunState.STOPPED, 100.0, 10.0, 0)
+    node("b", state.RunState.RUNNING, 100.0, 10.0, 1)  # its supervisor killed: never wrote its end
+    node("c", state.RunState.SUCCEEDED, 300.0, 200.0, 1)
+    node("d", state.RunState.SUCCEEDED, 300.0, 200.0, 0)
+    doc = json.loads(cli("status", run_dir, "--json").stdout)
+    assert doc["state"] == "succeeded"
+    assert {n["node"]: n["retired"] for n in doc["nodes"]} == {"a": True, "b": True, "c": False, "d": False}
+    assert {r["node"] for r in doc["ranks"]} == {"c", "d"}
+    assert "retired: the run went on without it" in cli("status", run_dir).stdout
+    shutil.rmtree(run_dir / "nodes" / "c")
+    shutil.rmtree(run_dir / "nodes" / "d")
+    doc = json.loads(cli("status", run_dir, "--json").stdout)  # nobody followed them: a stopped run
+    assert doc["state"] == "stopped" and not any(n["retired"] for n in doc["nodes"])

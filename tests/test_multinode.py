@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import textwrap
 import time
 from collections.abc import Iterator
@@ -19,8 +20,8 @@ import pytest
 
 from supervisor import store
 from tests.ckpt_helpers import flip_byte
-from tests.proc import Proc, free_port, wait_for
-from tests.runs import resilient
+from tests.proc import Proc, child_env, free_port, wait_for
+from tests.runs import resilient, status
 
 pytestmark = pytest.mark.slow
 
@@ -193,6 +194,45 @@ def test_a_node_dies_and_the_other_finishes_alone(tmp_path, victim):
     logs = tmp_path / "run" / resumed["log_dir"]  # state.json records it relative to the run dir
     assert any("resharded from 2 ranks" in p.read_text() for p in logs.rglob("stderr.log"))
     assert f"finished at step {STEPS}" in console
+    assert consumed_ids(tmp_path / "samples") == collections.Counter(range(STEPS * BATCH))
+    # The run finished without the dead node: it reads succeeded (it read "stopped", for good), the node retired.
+    doc = status(tmp_path / "run")
+    assert doc["state"] == "succeeded", doc["state"]
+    assert {n["node"]: n["retired"] for n in doc["nodes"]} == {victim: True, survivor.name: False}
+    assert {r["node"] for r in doc["ranks"]} == {survivor.name}
+
+
+def test_a_run_resumed_on_other_nodes_goes_on_where_the_old_ones_left_it(tmp_path):
+    """A Slurm requeue onto other hosts: nodes a and b stop (SIGTERM), c and d resume the run dir. `status` mixed
+    the four: --wait-ranks waited on a's and b's dead ranks, the finished run read "stopped", attempts started
+    again at 1 with goodput over the new session only, and `logs` showed the old nodes' output as the latest."""
+    port = free_port()
+    with cluster() as nodes:
+        a, b, job = start_pair(nodes, tmp_path, port)
+        wait_for(lambda: training_together(a, b, 25), 120, "both nodes training together")
+        for n in (a, b):
+            n.proc.signal(signal.SIGTERM)
+        assert a.proc.wait(60) == 143 and b.proc.wait(60) == 143
+        attempts_before = a.state()["attempt"]
+        c = start(nodes, tmp_path, job, "c")
+        wait_for(lambda: c.hosts_store(port), 60, "node c's torchrun to host the store")
+        d = start(nodes, tmp_path, job, "d")
+        waited = subprocess.run(resilient("status", tmp_path / "run", "--wait-ranks", "--wait-timeout", "120",
+                                          "--json"), capture_output=True, text=True, env=child_env(), timeout=180)
+        assert waited.returncode == 0, waited.stderr
+        assert {r["node"] for r in json.loads(waited.stdout)["ranks"]} <= {"c", "d"}
+        assert c.proc.wait(FINISH_TIMEOUT) == 0, c.proc.output()[-3000:]
+        assert d.proc.wait(60) == 0, d.proc.output()[-3000:]
+    assert "is new to this run dir: its history and goodput go on from node" in c.proc.output()
+    doc = status(tmp_path / "run")
+    assert doc["state"] == "succeeded" and doc["attempt"] > attempts_before, (doc["state"], doc["attempt"])
+    assert {n["node"]: n["retired"] for n in doc["nodes"]} == {"a": True, "b": True, "c": False, "d": False}
+    assert doc["history"][0]["attempt"] == 1 and doc["history"][-1]["reason"] == "finished"
+    assert doc["accounting"]["summary"]["wall_s"] > doc["history"][-1]["ended_at"] - doc["history"][-1]["started_at"]
+    logs = subprocess.run(resilient("logs", tmp_path / "run"), capture_output=True, text=True, env=child_env(),
+                          timeout=60)
+    assert logs.returncode == 0 and "nodes/c/" in logs.stderr and "nodes/d/" in logs.stderr, logs.stderr
+    assert "nodes/a/" not in logs.stderr and "nodes/b/" not in logs.stderr, logs.stderr
     assert consumed_ids(tmp_path / "samples") == collections.Counter(range(STEPS * BATCH))
 
 

@@ -83,6 +83,20 @@ def _header(nl: NodeLogs) -> None:
     render.err.print(f"==> attempt {nl.attempt}: {nl.logs_dir} <==", markup=False, soft_wrap=True)
 
 
+def _current(run_dir: Path) -> list[Path]:
+    """The node dirs the run is made of now: not those of nodes it went on without (state.retired)."""
+    found: list[tuple[Path, state.RunRecord | None, bool]] = []
+    for f in layout.state_files(run_dir):
+        try:
+            rec: state.RunRecord | None = state.read(f)
+        except state.StateFileError:
+            rec = None
+        found.append((f.parent, rec, lock.holder(f.parent) is not None))
+    readable = [(rec, alive) for _, rec, alive in found if rec is not None]
+    gone = iter(state.retired(readable))
+    return [d for d, rec, _ in found if rec is None or not next(gone)]
+
+
 def _latest(node_dir: Path) -> int | None:
     found = ranklogs.attempts(node_dir)
     return found[-1] if found else None
@@ -118,7 +132,7 @@ def main(target: str | None, rank: int | None, attempt: int | None, follow: bool
     run_dir = t.run_dir
     assert run_dir is not None
     nodes = []
-    for node_dir in layout.node_dirs(run_dir):
+    for node_dir in (layout.node_dirs(run_dir) if attempt is not None else _current(run_dir)):
         k = attempt if attempt is not None else _latest(node_dir)
         if k is not None and (attempt is None or k in ranklogs.attempts(node_dir)):
             nodes.append(NodeLogs(node_dir, k))
@@ -148,7 +162,7 @@ def _follow(run_dir: Path, files: list[Path], nodes: list[NodeLogs], rank: int |
         _header(nl)
     while True:
         over = _over(files, attempt)  # decided before the last read, so nothing written before it is missed
-        for node_dir in layout.node_dirs(run_dir):
+        for node_dir in (layout.node_dirs(run_dir) if attempt is not None else _current(run_dir)):
             k = attempt if attempt is not None else _latest(node_dir)
             nl = by_dir.get(node_dir)
             if k is None or (nl is not None and nl.attempt == k):

@@ -23,6 +23,7 @@ class NodeStatus:
     record: RunRecord
     node_dir: Path
     supervisor_alive: bool
+    retired: bool = False  # the run went on without this node (state.retired): shown, not counted
 
     @property
     def effective_state(self) -> RunState:
@@ -50,11 +51,16 @@ class StatusResult:
     now: float
     outside_root: Path | None = None  # the checkpoint root, when it lies outside the run dir
 
+    @property
+    def current(self) -> list[NodeStatus]:
+        """The nodes the run is made of now: not those it went on without."""
+        return [n for n in self.nodes if not n.retired] or self.nodes
+
     def ranks_ready(self) -> bool:
         """Every rank of the current attempt is listed, alive and training (what --wait-ranks waits for)."""
         if self.state is not RunState.RUNNING:
             return False
-        ranks = [r for n in self.nodes for r in n.ranks(self.now)]
+        ranks = [r for n in self.current for r in n.ranks(self.now)]
         if not ranks or not all(r.get("alive") and r.get("phase") == "train" for r in ranks):
             return False
         world = max((r.get("world_size") or 0 for r in ranks), default=0)
@@ -62,12 +68,12 @@ class StatusResult:
 
     @property
     def primary(self) -> NodeStatus:
-        return max(self.nodes, key=lambda n: n.record.updated_at)
+        return max(self.current, key=lambda n: n.record.updated_at)
 
     @property
     def state(self) -> RunState:
-        """The run's state over all nodes: running while any node runs; succeeded only if all did."""
-        states = [n.effective_state for n in self.nodes]
+        """The run's state over its current nodes: running while any node runs; succeeded only if all did."""
+        states = [n.effective_state for n in self.current]
         for candidate in (RunState.RUNNING, RunState.RESTARTING, RunState.PENDING, RunState.FAILED):
             if candidate in states:
                 return candidate
@@ -82,7 +88,7 @@ class StatusResult:
             state=self.state.value,
             recorded_state=rec.state.value,
             supervisor_alive=p.supervisor_alive,
-            ranks=[r for n in self.nodes for r in n.ranks(self.now)],
+            ranks=[r for n in self.current for r in n.ranks(self.now)],
             run_dir=str(self.run_dir),
             # Recorded relative to the run dir: shown resolved against where the run dir is now.
             checkpoint_dir=str(layout.resolved(rec.checkpoint_dir, self.run_dir,
@@ -93,7 +99,7 @@ class StatusResult:
             d["nodes"] = [{"node": n.record.node, "state": n.effective_state.value,
                            "supervisor_alive": n.supervisor_alive, "attempt": n.record.attempt,
                            "restarts": n.record.restarts, "step": n.record.step,
-                           "replication": n.record.replication,
+                           "replication": n.record.replication, "retired": n.retired,
                            "history": self._history(n.record)} for n in self.nodes]
         return d
 
@@ -130,23 +136,24 @@ class StatusResult:
             lines.append("nodes     " + " · ".join(
                 f"{n.record.node}: {render.styled(n.effective_state.value)}, attempt {n.record.attempt}, "
                 f"{n.record.restarts} restart(s){'' if n.supervisor_alive else ' (supervisor not running)'}"
+                f"{' (retired: the run went on without it)' if n.retired else ''}"
                 for n in self.nodes))
         parts: list[Any] = [Text.from_markup(line) for line in lines]
         current = rec.history[-1] if rec.history else None
         if current is not None and current.resumed_tier:
             parts.append(Text(f"resumed   step {current.resumed_from_step} from the {current.resumed_tier} tier"
                               + (f" ({current.resumed_why})" if current.resumed_why else "")))
-        for n in self.nodes:
+        for n in self.current:
             parts.extend(replication_lines(n, self.now, named=len(self.nodes) > 1))
         for q in rec.quarantined:  # set aside by the supervisor: the user should know, and may delete them
             parts.append(Text(f"set aside step {q.get('step')} as {q.get('path')}: {q.get('reason')}", style="yellow"))
         if rec.message and p.effective_state in (RunState.FAILED, RunState.STOPPED):
             parts.append(Text(rec.message, style="red" if p.effective_state is RunState.FAILED else "yellow"))
-        if any(n.record.ranks for n in self.nodes):
+        if any(n.record.ranks for n in self.current):
             ranks = Table(box=None, pad_edge=False, title="ranks", title_justify="left", title_style="bold")
             for col in ("NODE", "RANK", "PID", "STEP", "PHASE", "HEARTBEAT", "HUNG AFTER", "ALIVE", "STEPS/S", "NOTE"):
                 ranks.add_column(col, no_wrap=col != "NOTE")
-            for n in self.nodes:
+            for n in self.current:
                 for r in n.ranks(self.now):
                     ranks.add_row(str(r.get("node") or n.record.node or "-"), str(r.get("rank")), str(r.get("pid")),
                                   str(r.get("step", "-")), str(r.get("phase", "-")),
@@ -156,13 +163,13 @@ class StatusResult:
                                   "-" if r.get("steps_per_s") is None else f"{r['steps_per_s']:.1f}",
                                   r.get("note") or "")
             parts.append(ranks)
-        if any(n.record.history for n in self.nodes):
+        if any(n.record.history for n in self.current):  # a retired node's: in the new nodes' (supervise.py)
             hist = Table(box=None, pad_edge=False, title="history", title_justify="left", title_style="bold")
             multinode = any(n.record.node for n in self.nodes)
             for col in ("#", "NODE", "STARTED", "TOOK", "REASON", "RANK", "AT STEP", "RESUMED", "LOST", "DETAIL"):
                 if col != "NODE" or multinode:
                     hist.add_column(col, no_wrap=col != "DETAIL", overflow="fold")
-            for n in self.nodes:
+            for n in self.current:
                 for h in n.record.history:
                     took = (h.ended_at or self.now) - h.started_at
                     dash = "-"
@@ -177,7 +184,7 @@ class StatusResult:
             parts.append(Text("timeline (s starting, █ training, x failure)", style="bold"))
             # The bar narrows with the terminal so that a line and its "worker_signal @12345" fit on one row.
             bar = max(20, min(60, render.out.width - 32))
-            for n in self.nodes:
+            for n in self.current:
                 prefix = f"{n.record.node} " if multinode else ""
                 parts.extend(Text(prefix + line) for line in timeline.text_timeline(n.record, width=bar))
         return Group(*parts)
@@ -222,6 +229,8 @@ def collect(target: str | None) -> StatusResult:
         except state.StateFileError as e:
             raise UsageError(f"{e}; was it written by a newer resilient?") from None
         nodes.append(NodeStatus(rec, f.parent, lock.holder(f.parent) is not None))
+    for n, gone in zip(nodes, state.retired([(n.record, n.supervisor_alive) for n in nodes]), strict=True):
+        n.retired = gone
     return StatusResult(run_dir, nodes, time.time(), t.checkpoint_root if t.root_outside else None)
 
 
