@@ -229,6 +229,10 @@ class Attempt:
         heartbeats = read_heartbeats(self.spec.heartbeat_dir) or heartbeats
         step = max((hb.step for hb in heartbeats.values()), default=self.run_record.step)
         self.run_record.step = step
+        for r in self.run_record.ranks:  # their last word (the stop step, exited), not the last poll's
+            hb = heartbeats.get(r["rank"])
+            if hb is not None:
+                r.update(step=hb.step, phase=hb.phase, heartbeat_at=hb.time)
         saved = store.latest_valid(self.cfg.checkpoint.dir)
         how = "torchrun exited" if rc is not None else "the grace period ran out"
         missed = (f" (none at the stop step {step}: see the ranks' logs in {self.spec.logs_dir})"

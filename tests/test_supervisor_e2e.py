@@ -147,6 +147,8 @@ def test_sigterm_to_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tmp
     doc = status(run_dir)
     assert doc["state"] == "stopped"
     stop_step = doc["step"]
+    # The ranks table holds their last word (it showed the last poll's step, in phase train).
+    assert {(r["step"], r["phase"], r["alive"]) for r in doc["ranks"]} == {(stop_step, "exited", False)}, doc["ranks"]
     # The ranks agree on a stop only at their next agreement, which may fall on an interval step: what
     # shows the stop's own checkpoint is that it was committed after the signal, at the stop step.
     latest = store.latest_valid(run_dir / "checkpoints", deep=True)
