@@ -2,20 +2,56 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import time
+from typing import Any
 
 from rich.console import Console
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """Rich's own answer to a reader gone away is SystemExit(1): the supervisor's end, and the run's."""
+        self.quiet = True
+        _to_devnull(self.file)
+
+
 class EventConsole:
+    """The supervisor's voice. Its output is a courtesy: a reader that goes away (`| grep -m1`, a closed ssh
+    session) or a full disk under `2> file` must never end the supervision, which would stop the training."""
+
     def __init__(self, name: str, console: Console | None = None):
         self.name = name
-        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
+        self.console = console or _Console(stderr=True, highlight=False, soft_wrap=True)
+        self.gone = False  # nobody reads us any more: the stream now leads to /dev/null
 
     def event(self, text: str, style: str | None = None) -> None:
         stamp = time.strftime("%H:%M:%S")
-        self.console.print(f"[dim]{stamp}[/] [bold]{self.name}[/] ", end="")
-        self.console.print(text, style=style, markup=False)
+        self._print((f"[dim]{stamp}[/] [bold]{self.name}[/] ", None, True, ""), (text, style, False, "\n"))
 
     def paragraph(self, text: str, style: str | None = "red") -> None:
-        self.console.print(text, style=style, markup=False)
+        self._print((text, style, False, "\n"))
+
+    def _print(self, *parts: tuple[str, str | None, bool, str]) -> None:
+        if self.gone:
+            return
+        try:
+            for text, style, markup, end in parts:
+                self.console.print(text, style=style, markup=markup, end=end)
+        except (OSError, ValueError) as e:  # ValueError: a closed file
+            if isinstance(e, OSError) and e.errno not in (errno.EPIPE, errno.EIO):
+                return  # this line is lost (a full disk); the next may be written again
+            self.gone = True
+            _to_devnull(self.console.file)
+
+
+def _to_devnull(stream: Any) -> None:
+    """Point the stream's descriptor at /dev/null, so that every later write to it (ours, the interpreter's at
+    exit) succeeds and goes nowhere."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        fd = stream.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)

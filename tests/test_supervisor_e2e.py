@@ -334,3 +334,30 @@ def test_a_users_own_script_with_the_library_survives_a_sigkill(tmp_path):
     assert [h["reason"] for h in doc["history"]] == ["worker_signal", "finished"]
     assert doc["history"][1]["resumed_from_step"] >= 50
     assert store.latest_valid(run_dir / "checkpoints").step == 400
+
+
+def test_a_console_reader_that_goes_away_does_not_stop_the_training(tmp_path):
+    """`resilient run job.yaml 2>&1 | grep -m1 committed`: grep exits, the supervisor's next line met a broken pipe,
+    and the supervisor died of it, stopping the ranks (a reviewer's). It now goes on talking to /dev/null."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen(run_job(run_dir, steps=160), cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stderr is not None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = p.stderr.readline()
+            if "committed" in line or not line:
+                break
+        assert "committed" in line, line
+        p.stderr.close()  # the reader goes away; the supervisor writes on
+        assert p.wait(RUN_TIMEOUT) == 0
+    finally:
+        with contextlib.suppress(psutil.Error):
+            family = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+            for q in family:
+                with contextlib.suppress(psutil.Error):
+                    q.kill()
+            psutil.wait_procs(family, timeout=10)
+    doc = status(run_dir)
+    assert doc["state"] == "succeeded" and doc["step"] == 160, (doc["state"], doc["step"])
