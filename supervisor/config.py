@@ -564,6 +564,13 @@ def _apply_override(root: _Loc, ov: Override) -> None:
             section = schema if isinstance(schema, dict) else {}
             raise _unknown_key(_Loc(None, where), dotted, section)
         if i == len(parts) - 1:
+            if isinstance(ov.value, dict) and (isinstance(schema[part], dict)
+                                               or getattr(schema[part], "free_keys", False)):
+                # A section's keys merge into the file's (`--set checkpoint={keep: 5}` keeps checkpoint.dir): a
+                # section replaced whole lost the file's other keys, its checkpoint root among them.
+                for k, v in ov.value.items():
+                    _apply_override(root, Override(f"{ov.key}.{k}", v, ov.text))
+                return
             node.value[part] = _to_loc(ov.value, where)
             return
         if not isinstance(schema[part], dict):

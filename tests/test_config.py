@@ -76,6 +76,14 @@ def test_set_overrides_apply_before_validation(tmp_path):
     assert load_job(path, ["heartbeat.timeout_s=1e9"]).heartbeat.timeout_s == 1e9  # "never", as users write it
     job = load_job(path, ["env.FOO=1", "rdzv.conf.join_timeout=30"])  # a key of a free-form map
     assert job.env["FOO"] == "1" and job.rdzv.conf["join_timeout"] == "30"
+    # A section given as a mapping merges into the file's: it replaced it, and checkpoint.dir fell back to the
+    # default root (a rerun started fresh beside its checkpoints).
+    path = write(tmp_path, GOOD + "  dir: /tmp/ck\nenv: {OMP_NUM_THREADS: 1}\n")
+    job = load_job(path, ["checkpoint={keep: 7, verify: size}", "env={BAR: 2}"])
+    assert job.checkpoint.keep == 7 and job.checkpoint.dir == Path("/tmp/ck") and job.checkpoint.interval_steps == 10
+    assert job.env == {"OMP_NUM_THREADS": "1", "BAR": "2"}
+    with pytest.raises(ConfigError, match=r"checkpoint\.kep"):
+        load_job(path, ["checkpoint={kep: 7}"])
 
 
 def test_a_node_name_that_is_not_a_folder_name_is_refused_before_anything_is_created(tmp_path, cli):
