@@ -1,13 +1,15 @@
 """The `resilient` command: one short function per subcommand; the work lives in supervisor.commands.
 
 Errors the user can fix arrive as ResilientError and leave as one line on stderr with the contract's exit
-code (or as JSON on stdout under --json). RESILIENT_DEBUG=1 shows the traceback instead.
+code (or as JSON on stdout under --json). RESILIENT_DEBUG=1 prints the traceback on stderr too.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Optional
 
@@ -47,12 +49,12 @@ def _guard(as_json: bool, fn: Callable[[], int], *, reads_files: bool = False) -
         try:
             code = fn()
         except OSError as e:
-            if not reads_files or os.environ.get("RESILIENT_DEBUG") == "1":
+            if not reads_files:
                 raise
             raise _unreadable(e) from e
     except ResilientError as e:
-        if os.environ.get("RESILIENT_DEBUG") == "1":
-            raise
+        if os.environ.get("RESILIENT_DEBUG") == "1":  # the traceback as well, and the same exit code and output
+            traceback.print_exc()
         if as_json:
             render.print_json({"error": e.message, "exit_code": int(e.exit_code)})
         else:
@@ -109,6 +111,8 @@ def status(
     def body() -> int:
         from supervisor.commands import status as status_cmd
 
+        if not (math.isfinite(wait_timeout) and wait_timeout >= 0):  # nan waited for ever, -1 not at all
+            raise UsageError(f"--wait-timeout {wait_timeout:g}: seconds to wait, a number from 0 up.")
         return status_cmd.main(target, as_json, watch, plot=plot, wait_ranks_s=wait_timeout if wait_ranks else None)
 
     _guard(as_json, body, reads_files=True)
@@ -178,13 +182,18 @@ def logs(
 
 @app.command("rdzv-store")
 def rdzv_store(
-    host: str = typer.Option("0.0.0.0", "--host", help="The address to listen on."),
+    host: str = typer.Option("0.0.0.0", "--host", help="The address it says it listens on; torch's TCPStore "
+                             "listens on every interface of this machine whatever it is: keep the port behind the "
+                             "cluster's firewall (the store has no authentication)."),
     port: int = typer.Option(29400, "--port", help="The port (rdzv.endpoint's)."),
 ) -> None:
     """Run a rendezvous store on a machine that is not a training node (rdzv.conf.is_host: false)."""
 
     def body() -> int:
         from supervisor.commands import rdzv_store as store_cmd
+
+        if not 0 < port < 65536:
+            raise UsageError(f"--port {port}: a TCP port is 1 to 65535.")
 
         return store_cmd.main(host, port)
 

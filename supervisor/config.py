@@ -250,6 +250,9 @@ def _parse_yaml(text: str, path: str) -> _Loc:
         root = _locate(node, path, constructor)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({e}); fix the syntax there.") from None
+    except RecursionError:  # an alias inside its own anchor (`a: &a [*a]`): a structure without end
+        raise ConfigError(f"{path}: a YAML alias refers to the node that contains it (&name ... *name), which "
+                          "never ends; write the value out.") from None
     if not isinstance(root.value, dict):
         raise ConfigError(f"{root.where}: the job file must be a mapping of keys (name: ..., entrypoint: ...).")
     return root

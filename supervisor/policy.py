@@ -92,7 +92,8 @@ class RestartPolicy:
         if self.no_progress >= self.cfg.crash_loop_attempts:
             recent = self.failures[-self.no_progress:]
             steps = sorted({o.step for o in recent if o.step is not None})
-            at = f"at step {steps[0]}" if len(steps) == 1 else f"at steps {', '.join(map(str, steps))}"
+            at = ("before their first step" if not steps else f"at step {steps[0]}" if len(steps) == 1
+                  else f"at steps {', '.join(map(str, steps))}")
             return self._stop(f"crash loop: {self.no_progress} consecutive attempts made no new valid checkpoint, "
                               f"failing {at} ({outcome.reason}: {outcome.detail})")
         if self.restarts >= self.cfg.max_restarts:

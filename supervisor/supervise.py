@@ -486,7 +486,8 @@ class Supervisor:
         look = outcome.log_hint or str(spec.logs_dir)
         rank_hint = f" (rank {outcome.failed_rank}'s stderr.log under it)" if outcome.failed_rank is not None else ""
         self.record.message = (
-            f"resilient stopped the run: {why}. Attempt {spec.attempt} ended at step {outcome.step}; "
+            f"resilient stopped the run: {why}. Attempt {spec.attempt} ended "
+            f"{'before its first step' if outcome.step is None else f'at step {outcome.step}'}; "
             f"the newest valid checkpoint is {('step ' + str(newest.step)) if newest else 'none'}. "
             f"Look at {look}{rank_hint}, and `resilient status {self.cfg.run_dir}` for the history.")
         self._transition(RunState.FAILED)

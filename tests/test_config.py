@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -84,6 +85,21 @@ def test_set_overrides_apply_before_validation(tmp_path):
     assert job.env == {"OMP_NUM_THREADS": "1", "BAR": "2"}
     with pytest.raises(ConfigError, match=r"checkpoint\.kep"):
         load_job(path, ["checkpoint={kep: 7}"])
+
+
+def test_odd_arguments_and_a_self_containing_alias_are_one_sentence(tmp_path, cli, monkeypatch):
+    job = write(tmp_path, GOOD + "extra: &a [*a]\n")
+    r = cli("run", job)
+    assert r.exit_code == 2 and "refers to the node that contains it" in r.stderr and "Traceback" not in r.output
+    for port in ("99999", "-1"):
+        r = cli("rdzv-store", "--port", port)
+        assert r.exit_code == 2 and "a TCP port is 1 to 65535" in r.stderr, r.output
+    for wait in ("nan", "-1"):
+        r = cli("status", tmp_path, "--wait-ranks", "--wait-timeout", wait)
+        assert r.exit_code == 2 and "--wait-timeout" in r.stderr, r.output
+    monkeypatch.setenv("RESILIENT_DEBUG", "1")  # the traceback too, not another exit code or output
+    r = cli("gc", tmp_path, "--keep", "0", "--json")
+    assert r.exit_code == 2 and json.loads(r.stdout)["exit_code"] == 2 and "Traceback" in r.stderr
 
 
 def test_a_node_name_that_is_not_a_folder_name_is_refused_before_anything_is_created(tmp_path, cli):

@@ -149,6 +149,9 @@ def test_policy_crash_loop_names_the_step():
     assert p.decide(outcome(step=30), progressed=False, newest_valid=20, older_valid=None).relaunch
     d = p.decide(outcome(step=30), progressed=False, newest_valid=20, older_valid=None)
     assert not d.relaunch and "crash loop: 3 consecutive attempts" in d.message and "at step 30" in d.message
+    p = RestartPolicy(RestartConfig(crash_loop_attempts=1, backoff_s=0))  # no step at all: said, not an empty list
+    d = p.decide(outcome(step=None), progressed=False, newest_valid=None, older_valid=None)
+    assert "failing before their first step (" in d.message, d.message
 
 
 def test_policy_rendezvous_failures_retry_without_spending_the_budget():

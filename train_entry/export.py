@@ -10,6 +10,7 @@ a process group: the final model of a finished run, for evaluation or serving.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,11 +36,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a step_<N> folder")
     p.add_argument("out", help="the .pt file to write")
     args = p.parse_args(argv)
-    info = store.inspect(args.checkpoint, deep=True)
+    try:
+        info = store.inspect(args.checkpoint, deep=True)
+    except ValueError as e:  # a checkpoint root, a run dir: not one step's folder
+        newest = store.latest_valid(args.checkpoint) if os.path.isdir(args.checkpoint) else None
+        hint = f", e.g. {newest.path}" if newest is not None else ""
+        print(f"{args.checkpoint}: {e}; give one checkpoint's folder{hint}.", file=sys.stderr)
+        return 2
     if not info.valid:
         print(f"{args.checkpoint}: not a valid checkpoint ({info.status.value}: {info.reason})", file=sys.stderr)
         return 1
-    torch.save(load_whole(args.checkpoint), args.out)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        print(f"{args.out}: its folder {out_dir} does not exist; create it or name another file.", file=sys.stderr)
+        return 2
+    try:
+        torch.save(load_whole(args.checkpoint), args.out)
+    except OSError as e:
+        print(f"{args.out}: cannot be written ({e.strerror or e}); nothing was exported.", file=sys.stderr)
+        return 1
     print(f"{args.out}: step {info.step}, {info.size_bytes / 1e6:.1f} MB of shards from {info.world_size} rank(s)")
     return 0
 

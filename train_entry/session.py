@@ -113,9 +113,10 @@ class Session:
         """Join the job. What the supervisor handed over (environment) wins over these arguments, which
         are the settings for a plain `torchrun` launch."""
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            sys.exit(f"resilient: {' and '.join(missing)} not set: start this script with torchrun "
-                     "(`torchrun --nproc-per-node N SCRIPT`) or with `resilient run JOB.yaml`.")
+        if missing:  # the environment is wrong: EXIT_CONFIG, as the rank exit codes say
+            print(f"resilient: {' and '.join(missing)} not set: start this script with torchrun "
+                  "(`torchrun --nproc-per-node N SCRIPT`) or with `resilient run JOB.yaml`.", file=sys.stderr)
+            sys.exit(EXIT_CONFIG)
         h = Handover.from_env()
         rank = int(os.environ.get("RANK", 0))
         _setup_logging(rank)
