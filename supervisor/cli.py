@@ -72,17 +72,20 @@ def _unreadable(e: OSError) -> ResilientError:
     return ResilientError(f"{where}: cannot be read ({reason}); check the filesystem and run the command again.")
 
 
-TARGET = typer.Argument(None, help="A job file, run dir or checkpoint root (default: the current folder).")
+TARGET = typer.Argument(None, metavar="TARGET",
+                        help="A job file, run dir or checkpoint root (default: the current folder).")
 JSON = typer.Option(False, "--json", help="Print JSON on stdout.")
 
 
 @app.command()
 def run(
-    job: str = typer.Argument(..., help="The job file (YAML)."),
-    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Same as --set run_dir=DIR."),  # noqa: UP045
-    set_: list[str] = typer.Option([], "--set", help="Override a job key: --set checkpoint.keep=5."),
+    job: str = typer.Argument(..., metavar="JOB.yaml", help="The job file (YAML)."),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", metavar="DIR", help="Same as --set run_dir=DIR."),  # noqa: UP045
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
+                                   help="Override a job key: --set checkpoint.keep=5."),
     node: Optional[str] = typer.Option(  # noqa: UP045
-        None, "--node", help="This node's name when several nodes share the run dir (default: host name)."),
+        None, "--node", metavar="NAME",
+        help="This node's name when several nodes share the run dir (default: host name)."),
 ) -> None:
     """Start the job, or resume it if its run dir already holds progress; supervise it to the end."""
 
@@ -100,11 +103,13 @@ def status(
     target: Optional[str] = TARGET,  # noqa: UP045
     as_json: bool = JSON,
     watch: bool = typer.Option(False, "--watch", help="Keep refreshing until the run ends (Ctrl-C to leave)."),
-    plot: Optional[str] = typer.Option(None, "--plot", help="Also draw the run's timeline to this PNG."),  # noqa: UP045
+    plot: Optional[str] = typer.Option(  # noqa: UP045
+        None, "--plot", metavar="FILE.png", help="Also draw the run's timeline to this PNG."),
     wait_ranks: bool = typer.Option(
         False, "--wait-ranks", help="First wait until every rank of the current attempt is alive and training "
         "(the run dir may not exist yet); exit 1 if the run ends or --wait-timeout passes first."),
-    wait_timeout: float = typer.Option(300.0, "--wait-timeout", help="Seconds --wait-ranks waits at most."),
+    wait_timeout: float = typer.Option(300.0, "--wait-timeout", metavar="S",
+                                       help="Seconds --wait-ranks waits at most."),
 ) -> None:
     """The state of a run: live or finished."""
 
@@ -121,8 +126,9 @@ def status(
 @app.command("inspect-checkpoint")
 def inspect_checkpoint(
     target: Optional[str] = typer.Argument(  # noqa: UP045
-        None, help="A job file, run dir, checkpoint root or one checkpoint folder (default: here)."),
-    step: Optional[int] = typer.Option(None, "--step", help="Only this step."),  # noqa: UP045
+        None, metavar="TARGET",
+        help="A job file, run dir, checkpoint root or one checkpoint folder (default: here)."),
+    step: Optional[int] = typer.Option(None, "--step", metavar="N", help="Only this step."),  # noqa: UP045
     verify: bool = typer.Option(False, "--verify", help="Re-read every byte against the recorded checksums."),
     as_json: bool = JSON,
 ) -> None:
@@ -140,11 +146,12 @@ def inspect_checkpoint(
 def gc(
     target: Optional[str] = TARGET,  # noqa: UP045
     keep: Optional[int] = typer.Option(  # noqa: UP045  # required: checked in the body, so --json reports it
-        None, "--keep", help="How many of the newest valid checkpoints to keep (≥ 1; required)."),
+        None, "--keep", metavar="N", help="How many of the newest valid checkpoints to keep (≥ 1; required)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be removed; remove nothing."),
     as_json: bool = JSON,
     keep_local: Optional[int] = typer.Option(  # noqa: UP045
-        None, "--keep-local", help="In each node-local tier: how many to keep (default: the job's keep_local)."),
+        None, "--keep-local", metavar="N",
+        help="In each node-local tier: how many to keep (default: the job's keep_local)."),
     verify: bool = typer.Option(False, "--verify", help="First re-read every byte of the checkpoints it would "
                                 "keep; one that does not match its checksums is not kept in place of older ones."),
 ) -> None:
@@ -164,9 +171,10 @@ def gc(
 
 @app.command()
 def logs(
-    target: Optional[str] = typer.Argument(None, help="A job file or run dir (default: the current folder)."),  # noqa: UP045
-    rank: Optional[int] = typer.Option(None, "--rank", help="Only this rank."),  # noqa: UP045
-    attempt: Optional[int] = typer.Option(None, "--attempt", help="This attempt (default: the latest)."),  # noqa: UP045
+    target: Optional[str] = typer.Argument(  # noqa: UP045
+        None, metavar="TARGET", help="A job file or run dir (default: the current folder)."),
+    rank: Optional[int] = typer.Option(None, "--rank", metavar="R", help="Only this rank."),  # noqa: UP045
+    attempt: Optional[int] = typer.Option(None, "--attempt", metavar="K", help="This attempt (default: the latest)."),  # noqa: UP045
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines, into each new attempt, "
                                 "until the run is over (Ctrl-C to leave)."),
 ) -> None:
@@ -182,10 +190,11 @@ def logs(
 
 @app.command("rdzv-store")
 def rdzv_store(
-    host: str = typer.Option("0.0.0.0", "--host", help="The address it says it listens on; torch's TCPStore "
+    host: str = typer.Option("0.0.0.0", "--host", metavar="H",
+                             help="The address it says it listens on; torch's TCPStore "
                              "listens on every interface of this machine whatever it is: keep the port behind the "
                              "cluster's firewall (the store has no authentication)."),
-    port: int = typer.Option(29400, "--port", help="The port (rdzv.endpoint's)."),
+    port: int = typer.Option(29400, "--port", metavar="P", help="The port (rdzv.endpoint's)."),
 ) -> None:
     """Run a rendezvous store on a machine that is not a training node (rdzv.conf.is_host: false)."""
 
