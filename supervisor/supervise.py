@@ -355,11 +355,11 @@ class Supervisor:
         self.save_state(force=False)
 
     def on_resumed(self, step: int | None, tier: str | None, launched_at: float) -> None:
-        if self._suspect is not None and step is not None and step < self._suspect[0]:
-            suspect, why = self._suspect  # an older checkpoint loads where it did not: it is the checkpoint's fault
-            self._suspect = None
-            self._quarantine(self.cfg.checkpoint.dir / store.step_dirname(suspect),
-                             f"{why}; step {step} loads")
+        if self._suspect is not None:
+            suspect, why = self._suspect
+            self._suspect = None  # the ranks are past loading: the next relaunch chooses afresh
+            if step is not None and step < suspect:  # an older one loads where it did not: the checkpoint's fault
+                self._quarantine(self.cfg.checkpoint.dir / store.step_dirname(suspect), f"{why}; step {step} loads")
         if self.replicator is not None and tier == "durable":
             self.replicator.pass_over_older_timeline(step, launched_at)
 
@@ -378,7 +378,8 @@ class Supervisor:
         if outcome.reason == api.RENDEZVOUS:
             return self.policy.decide_rendezvous(outcome, self.clock())
         root = self.cfg.checkpoint.dir
-        newest = store.latest_valid(root)
+        # A checkpoint passed over (it failed to load) is no progress: counted as such, the crash-loop rule slept.
+        newest = store.latest_valid(root, below=self._suspect[0] if self._suspect is not None else None)
         older = store.latest_valid(root, below=newest.step) if newest else None
         newest_step = max((i.step for i in (newest, self._newest_local()) if i is not None), default=None)
         started = max((s for s in (choice.step, self._local_step) if s is not None), default=None)

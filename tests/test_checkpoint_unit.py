@@ -254,3 +254,24 @@ def test_staging_keeps_containers_as_they_were_namedtuples_included():
     assert type(staged["a"]) is Pair and staged["a"].count == 3 and torch.equal(staged["a"].weight, sd["a"].weight)
     assert staged["a"].weight.data_ptr() != sd["a"].weight.data_ptr()  # a copy in the arena
     assert type(staged["b"]) is tuple and type(staged["b"][1]) is list and staged["b"][1][1] == "x"
+
+
+def test_small_values_rank_0_shares_are_written_by_rank_0_and_the_others_by_whoever_holds_them():
+    """Rank0Planner on two ranks' plans: a small value both offer (a BatchNorm buffer, the position) is rank 0's; a
+    big one is still spread; a value only rank 1 holds (a pipeline stage's) stays rank 1's: a name-based filter
+    once dropped it from every plan, and the save committed without it."""
+    import torch
+
+    from train_entry.storage import Rank0Planner
+
+    def plan(rank: int, own: str):
+        sd = {"train": "{}", "model": {"bn": torch.ones(4), "big": torch.zeros(1 << 19), own: torch.ones(3)}}
+        p = Rank0Planner()
+        p.set_up_planner(sd, is_coordinator=rank == 0)
+        return p.create_local_plan()
+
+    plans, metadata = Rank0Planner().create_global_plan([plan(0, "stage0"), plan(1, "stage1")])
+    held = [{i.index.fqn for i in p.items} for p in plans]
+    assert {"train", "model.bn", "model.stage0"} <= held[0] and "model.stage1" in held[1]
+    assert not {"train", "model.bn"} & held[1] and len([h for h in held if "model.big" in h]) == 1
+    assert set(metadata.state_dict_metadata) == {"train", "model.bn", "model.big", "model.stage0", "model.stage1"}

@@ -714,3 +714,31 @@ def test_a_run_dir_with_no_room_for_the_job_file_stops_with_one_sentence_and_clo
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert "the run dir cannot be written" in result.stderr and "job.json" in result.stderr
     assert calls == ["prepare", "close"]
+
+
+def test_a_passed_over_checkpoint_is_no_progress_and_set_aside_only_once_an_older_one_loads(tmp_path):
+    """While step 40 is passed over (it failed to load twice), attempts from step 20 that die make no progress (the
+    crash-loop rule slept: 40 counted as newer than the start); a fresh start clears it without setting it aside."""
+    from supervisor import store
+    from supervisor.config import load_job
+    from supervisor.layout import RunLayout
+    from supervisor.supervise import Supervisor
+    from tests.ckpt_helpers import write_checkpoint
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\nrestart: {backoff_s: 0, crash_loop_attempts: 2}\n")
+    cfg = load_job(job)
+    for step in (20, 40):
+        write_checkpoint(cfg.checkpoint.dir, step)
+    sup = Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None)
+    sup._suspect = (40, "every byte checks, but the ranks failed to load it twice")
+    choice = api.ResumeChoice(20, cfg.checkpoint.dir / store.step_dirname(20), [], [])
+    assert sup._choose(None).step == 20
+    assert sup._decide(outcome(step=25), choice).relaunch and sup.policy.no_progress == 1
+    stop = sup._decide(outcome(step=25), choice)
+    assert not stop.relaunch and "crash loop" in stop.message
+    sup.on_resumed(None, None, 0.0)  # a fresh start: nothing learnt about step 40, nothing set aside
+    assert sup._suspect is None and (cfg.checkpoint.dir / store.step_dirname(40)).is_dir()
+    sup._suspect = (40, "why")
+    sup.on_resumed(20, "durable", 0.0)
+    assert not (cfg.checkpoint.dir / store.step_dirname(40)).exists() and sup.record.quarantined[0]["step"] == 40

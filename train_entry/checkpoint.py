@@ -24,14 +24,12 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from supervisor import store
 from supervisor.protocol import CommitRecord
 from train_entry.dist import DistContext
 from train_entry.staging import HostStager
-from train_entry.state import offered_by_every_rank
-from train_entry.storage import RawReader, RawWriter
+from train_entry.storage import Rank0Planner, RawReader, RawWriter
 
 log = logging.getLogger("train_entry")
 
@@ -109,9 +107,8 @@ class Checkpointer:
         self.last_save_s: float | None = None  # wall time of the last whole save, blocking + persist
         self._stager = HostStager(pin_memory=ctx.device.type == "cuda", device=ctx.device)
         self._announced = 0  # the stager's allocations the log has told of
-        # Reused by every save: with plan caching, a save whose layout did not change reuses the previous save's
-        # global plan and metadata instead of planning and exchanging them again (less Python in the persist).
-        self._planner = DefaultSavePlanner(enable_plan_caching=True)
+        # Small values several ranks offer come back as rank 0's (DDP's BatchNorm buffers): train_entry/storage.py.
+        self._planner = Rank0Planner()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.in_flight: int | None = None
@@ -194,7 +191,7 @@ class Checkpointer:
             pause = self.pause
             writer = RawWriter(path, arena=arena,
                                after_data=(lambda: pause.maybe("mid_data", step, path)) if pause else None,
-                               spares=self.root if self.local else None, shared=offered_by_every_rank)
+                               spares=self.root if self.local else None)
             try:
                 dcp.save(sd, storage_writer=writer, process_group=group, planner=self._planner)
             finally:  # the planner keeps the state it planned (views of the staging arena) until the next save:

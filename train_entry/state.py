@@ -27,12 +27,6 @@ def rng_key(rank: int) -> str:
     return f"rng.rank{rank}"
 
 
-def offered_by_every_rank(key: str) -> bool:
-    """Whether every rank's state dict holds `key` (the model, the optimizer, the position, the scheduler, the
-    replicated objects), as opposed to one rank's own key (its RNG, a PerRank object's state)."""
-    return not key.startswith(("rng.rank", "per_rank."))
-
-
 def rng_state(device: torch.device) -> bytes:
     bundle: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if device.type == "cuda":

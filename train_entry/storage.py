@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, StorageReader, StorageWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -58,7 +59,33 @@ METADATA = ".metadata"
 ALIGN = 64
 READ_GAP = 1 << 20  # ranges closer than this are read as one
 BOUNCE = 64 << 20  # bytes per pinned buffer that a load to a GPU reads through (two of them)
-SMALL = 1 << 20  # a value every rank offers up to this size is written from rank 0 (RawWriter's `shared`)
+SMALL = 1 << 20  # a value rank 0 offers with others, up to this size, is written from rank 0 (Rank0Planner)
+
+
+class Rank0Planner(DefaultSavePlanner):
+    """DCP's planner, but a small value that rank 0 offers along with other ranks is always written by rank 0.
+
+    DCP writes a value several ranks offer under one key once, from whichever rank balances the writes best; one
+    that is per rank all the same (DDP's BatchNorm buffers, a per-rank count) then comes back as that rank's, a
+    different one from save to save. Here the small ones (up to SMALL bytes; not DTensor shards) come back as
+    rank 0's; the big ones (a DDP model's parameters, the same on every rank) are still spread over the ranks, and
+    a value rank 0 does not offer (a pipeline stage's) stays with the ranks that do. Decided on the coordinator,
+    which sees every rank's plan: so DCP's plan cache, which sends only the plans that changed, is off.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=False)
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> Any:
+        first = {item.index for item in all_plans[0].items}
+
+        def kept(item: WriteItem) -> bool:
+            small = item.type != WriteItemType.SHARD and (item.tensor_storage_size() or 0) <= SMALL
+            return not (small and item.index in first)
+
+        trimmed = [all_plans[0], *(dataclasses.replace(p, items=[i for i in p.items if kept(i)])
+                                   for p in all_plans[1:])]
+        return super().create_global_plan(trimmed)
 
 
 @dataclass(frozen=True)
@@ -118,21 +145,12 @@ class RawWriter(StorageWriter):
         after_data: called once this rank's data file is durable (a test hook pauses or fills the disk there).
         spares: a local tier's root: the data file is written over one of its spare files when there is one
             (store.claim_spare), reusing the pages of a deleted checkpoint instead of taking new ones.
-        shared: which keys every rank offers (train_entry.state.offered_by_every_rank). DCP writes such a value
-            once, from whichever rank balances the writes best; a value that is per rank all the same (DDP's
-            BatchNorm buffers, a per-rank count) would then come back as that rank's, a different one from save
-            to save. So the small ones (up to SMALL bytes) are offered by the coordinator (rank 0) alone, and
-            always come back as rank 0's; the big ones (a DDP model's parameters, the same on every rank) are
-            still spread over the ranks.
     """
 
     def __init__(self, path: str | os.PathLike, *, arena: torch.Tensor | None = None,
-                 after_data: Callable[[], None] | None = None, spares: Path | None = None,
-                 shared: Callable[[str], bool] | None = None):
+                 after_data: Callable[[], None] | None = None, spares: Path | None = None):
         super().__init__()
         self.path = Path(path)
-        self.shared = shared
-        self.is_coordinator = False
         self.arena = arena
         self.spares = spares
         self.reused = 0  # files written over a spare
@@ -155,14 +173,7 @@ class RawWriter(StorageWriter):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        if self.shared is None or self.is_coordinator or not getattr(plan, "usable", True):
-            return plan  # (an unusable plan: DCP's plan cache says it did not change since the last save)
-        return dataclasses.replace(plan, items=[i for i in plan.items if not self._from_rank0(i)])
-
-    def _from_rank0(self, item: WriteItem) -> bool:
-        assert self.shared is not None
-        return item.type != WriteItemType.SHARD and (item.tensor_storage_size() or 0) <= SMALL and \
-            self.shared(item.index.fqn)
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return [dataclasses.replace(plan, storage_data=f"__{i}_") for i, plan in enumerate(plans)]
