@@ -21,6 +21,7 @@ so training may change the live state while the copy persists.
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -108,7 +109,9 @@ class HostStager:
         self._slots, self.arena, self._layout, self._registered = {}, None, None, False
         if old is not None and registered:
             torch.cuda.cudart().cudaHostUnregister(old.data_ptr())
-        del old  # drop the old arena before taking a new one: never two at once
+        if old is not None:
+            del old  # drop the old arena before taking a new one: never two at once
+            gc.collect()  # and what a save left in reference cycles, which may hold views of it (DCP on torch 2.7)
         offsets: dict[Path, int] = {}
         end = 0
         for sharded in (True, False):  # the shards first: one page-aligned region for the persist to write
