@@ -198,6 +198,10 @@ def test_an_auto_interval_is_chosen_by_the_supervisor_and_followed_by_the_ranks_
     for attempt in (1, 2):
         commits = [r.step for r in read_step_log(run_dir / "steps" / f"attempt_{attempt}.jsonl")
                    if isinstance(r, CommitRecord) and r.step != 240]  # the final save comes when training ends
-        gaps = {b - a for a, b in itertools.pairwise(commits)}  # counted from the last save, not multiples
-        assert commits and all(5 <= g <= 40 for g in gaps) and commits[0] != 50, (attempt, commits)
+        start = doc["history"][attempt - 1]["resumed_from_step"] or 0
+        # Counted from the last save (or the resume step), never the ranks' default of 50 (or its multiples):
+        # resumed from 40, a first save at 50 is the supervisor's 10 (the test once read it as the default).
+        gaps = {b - a for a, b in itertools.pairwise([start, *commits])}
+        assert commits and all(5 <= g <= 40 for g in gaps), (attempt, start, commits)
+        assert "(from the supervisor)" in rank_log(run_dir, attempt, 0), attempt
     assert [h["reason"] for h in doc["history"]] == ["worker_signal", "finished"]
