@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor import layout
+from supervisor import layout, lock
 from supervisor.fsutil import atomic_write_json, read_json
 
 SCHEMA_VERSION = 1
@@ -130,6 +130,29 @@ class RunRecord:
         kw["state"] = RunState(kw.get("state", "pending"))
         kw["history"] = [AttemptRecord.from_dict(h) for h in kw.get("history", [])]
         return cls(**kw)
+
+
+@dataclass
+class NodeRead:
+    """One node's state file as read now: its record (or why it could not be read) and whether its supervisor
+    holds the node's lock."""
+
+    node_dir: Path
+    record: RunRecord | None
+    error: StateFileError | None
+    alive: bool
+
+
+def read_nodes(files: list[Path]) -> list[NodeRead]:
+    """Every state file in `files` (layout.state_files), read once, with its supervisor's liveness."""
+    out = []
+    for f in files:
+        try:
+            rec, err = read(f), None
+        except StateFileError as e:
+            rec, err = None, e
+        out.append(NodeRead(f.parent, rec, err, lock.holder(f.parent) is not None))
+    return out
 
 
 def retired(records: list[tuple[RunRecord, bool]]) -> list[bool]:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from supervisor import __version__, api, lock, ranklogs, retention, state, store
+from supervisor import __version__, api, ranklogs, retention, state, store
 from supervisor.api import AttemptOutcome, AttemptSpec, Decision, ResumeChoice
 from supervisor.attempt import Attempt, Launcher
 from supervisor.config import JobConfig
@@ -535,18 +535,11 @@ class Supervisor:
         """For a node new to this run dir (a Slurm requeue onto other hosts, a replaced node): the record of the
         run as the nodes before it left it, the newest whose supervisor is gone, so that attempts, history and
         goodput go on from there rather than start again (`status` retires the old nodes: state.retired)."""
-        found: list[tuple[float, RunRecord]] = []
-        for f in state_files(self.cfg.run_dir):
-            if f == self.layout.state_file or lock.holder(f.parent) is not None:
-                continue
-            try:
-                rec = state.read(f)
-            except state.StateFileError:
-                continue
-            found.append((rec.updated_at, rec))
+        found = [n.record for n in state.read_nodes(state_files(self.cfg.run_dir))
+                 if n.node_dir != self.layout.node_dir and not n.alive and n.record is not None]
         if not found:
             return None
-        rec = max(found, key=lambda x: x[0])[1]
+        rec = max(found, key=lambda r: r.updated_at)
         self.console.event(f"node {self.layout.node_name} is new to this run dir: its history and goodput go on from "
                            f"{'node ' + rec.node if rec.node else 'the single-node record'} (attempt {rec.attempt})")
         return rec

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor import layout, lock, ranklogs, render, state, targets
+from supervisor import layout, ranklogs, render, state, targets
 from supervisor.errors import ExitCode, UsageError
 
 POLL_S = 0.2
@@ -83,18 +83,11 @@ def _header(nl: NodeLogs) -> None:
     render.err.print(f"==> attempt {nl.attempt}: {nl.logs_dir} <==", markup=False, soft_wrap=True)
 
 
-def _current(run_dir: Path) -> list[Path]:
+def _current(nodes: list[state.NodeRead]) -> list[Path]:
     """The node dirs the run is made of now: not those of nodes it went on without (state.retired)."""
-    found: list[tuple[Path, state.RunRecord | None, bool]] = []
-    for f in layout.state_files(run_dir):
-        try:
-            rec: state.RunRecord | None = state.read(f)
-        except state.StateFileError:
-            rec = None
-        found.append((f.parent, rec, lock.holder(f.parent) is not None))
-    readable = [(rec, alive) for _, rec, alive in found if rec is not None]
+    readable = [(n.record, n.alive) for n in nodes if n.record is not None]
     gone = iter(state.retired(readable))
-    return [d for d, rec, _ in found if rec is None or not next(gone)]
+    return [n.node_dir for n in nodes if n.record is None or not next(gone)]
 
 
 def _latest(node_dir: Path) -> int | None:
@@ -104,14 +97,17 @@ def _latest(node_dir: Path) -> int | None:
 
 def _over(files: list[Path], attempt: int | None) -> bool:
     """The run (or the pinned attempt) is over: its ranks will write nothing more."""
-    for f in files:
-        try:
-            rec = state.read(f)
-        except state.StateFileError:  # gone or unreadable: over unless a live supervisor still holds that node
-            if lock.holder(f.parent) is not None:
+    return _ended(state.read_nodes(files), attempt)
+
+
+def _ended(nodes: list[state.NodeRead], attempt: int | None) -> bool:
+    for n in nodes:
+        if n.record is None:  # gone or unreadable: over unless a live supervisor still holds that node
+            if n.alive:
                 return False
             continue
-        live = not rec.state.final and lock.holder(f.parent) is not None
+        rec = n.record
+        live = not rec.state.final and n.alive
         if attempt is None and live:
             return False
         if attempt is not None and live and (any(h.attempt == attempt and h.ended_at is None for h in rec.history)
@@ -132,7 +128,7 @@ def main(target: str | None, rank: int | None, attempt: int | None, follow: bool
     run_dir = t.run_dir
     assert run_dir is not None
     nodes = []
-    for node_dir in (layout.node_dirs(run_dir) if attempt is not None else _current(run_dir)):
+    for node_dir in (layout.node_dirs(run_dir) if attempt is not None else _current(state.read_nodes(files))):
         k = attempt if attempt is not None else _latest(node_dir)
         if k is not None and (attempt is None or k in ranklogs.attempts(node_dir)):
             nodes.append(NodeLogs(node_dir, k))
@@ -161,8 +157,9 @@ def _follow(run_dir: Path, files: list[Path], nodes: list[NodeLogs], rank: int |
     for nl in nodes:
         _header(nl)
     while True:
-        over = _over(files, attempt)  # decided before the last read, so nothing written before it is missed
-        for node_dir in (layout.node_dirs(run_dir) if attempt is not None else _current(run_dir)):
+        read = state.read_nodes(files)
+        over = _ended(read, attempt)  # decided before the last read, so nothing written before it is missed
+        for node_dir in (layout.node_dirs(run_dir) if attempt is not None else _current(read)):
             k = attempt if attempt is not None else _latest(node_dir)
             nl = by_dir.get(node_dir)
             if k is None or (nl is not None and nl.attempt == k):

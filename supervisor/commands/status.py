@@ -11,7 +11,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from supervisor import layout, lock, render, state, targets, timeline
+from supervisor import layout, render, state, targets, timeline
 from supervisor.errors import ExitCode, ResilientError, UsageError
 from supervisor.state import RunRecord, RunState
 
@@ -223,12 +223,10 @@ def collect(target: str | None) -> StatusResult:
     run_dir = t.run_dir
     assert run_dir is not None
     nodes = []
-    for f in files:
-        try:
-            rec = state.read(f)
-        except state.StateFileError as e:
-            raise UsageError(f"{e}; was it written by a newer resilient?") from None
-        nodes.append(NodeStatus(rec, f.parent, lock.holder(f.parent) is not None))
+    for n in state.read_nodes(files):
+        if n.record is None:
+            raise UsageError(f"{n.error}; was it written by a newer resilient?")
+        nodes.append(NodeStatus(n.record, n.node_dir, n.alive))
     for n, gone in zip(nodes, state.retired([(n.record, n.supervisor_alive) for n in nodes]), strict=True):
         n.retired = gone
     return StatusResult(run_dir, nodes, time.time(), t.checkpoint_root if t.root_outside else None)
