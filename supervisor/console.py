@@ -6,7 +6,6 @@ import contextlib
 import errno
 import os
 import time
-from typing import Any
 
 from rich.console import Console
 
@@ -14,8 +13,7 @@ from rich.console import Console
 class _Console(Console):
     def on_broken_pipe(self) -> None:
         """Rich's own answer to a reader gone away is SystemExit(1): the supervisor's end, and the run's."""
-        self.quiet = True
-        _to_devnull(self.file)
+        _go_quiet(self)
 
 
 class EventConsole:
@@ -25,7 +23,6 @@ class EventConsole:
     def __init__(self, name: str, console: Console | None = None):
         self.name = name
         self.console = console or _Console(stderr=True, highlight=False, soft_wrap=True)
-        self.gone = False  # nobody reads us any more: the stream now leads to /dev/null
 
     def event(self, text: str, style: str | None = None) -> None:
         stamp = time.strftime("%H:%M:%S")
@@ -35,7 +32,7 @@ class EventConsole:
         self._print((text, style, False, "\n"))
 
     def _print(self, *parts: tuple[str, str | None, bool, str]) -> None:
-        if self.gone:
+        if self.console.quiet:  # nobody reads us any more: the stream leads to /dev/null
             return
         try:
             for text, style, markup, end in parts:
@@ -43,15 +40,15 @@ class EventConsole:
         except (OSError, ValueError) as e:  # ValueError: a closed file
             if isinstance(e, OSError) and e.errno not in (errno.EPIPE, errno.EIO):
                 return  # this line is lost (a full disk); the next may be written again
-            self.gone = True
-            _to_devnull(self.console.file)
+            _go_quiet(self.console)
 
 
-def _to_devnull(stream: Any) -> None:
-    """Point the stream's descriptor at /dev/null, so that every later write to it (ours, the interpreter's at
-    exit) succeeds and goes nowhere."""
+def _go_quiet(console: Console) -> None:
+    """Nobody reads `console` any more: it prints nothing, and its stream's descriptor leads to /dev/null, so that
+    every later write to it (the interpreter's at exit too) succeeds and goes nowhere."""
+    console.quiet = True
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        fd = stream.fileno()
+        fd = console.file.fileno()
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, fd)
         os.close(null)
