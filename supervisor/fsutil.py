@@ -4,6 +4,7 @@ written front to back, hashed as they go, around the page cache where they can b
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -67,10 +68,30 @@ def file_identity(path: str | os.PathLike) -> list[int] | None:
     return [st.st_ino, st.st_size, st.st_mtime_ns]
 
 
+def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY) -> int:
+    """A descriptor on `path` if it is a regular file. A FIFO is never waited on (it would hang every reader), a
+    link never followed (it may lead out of the run dir), a device never read: each raises OSError saying so."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | os.PathLike) -> bytes:
+    """The bytes of a regular file (`open_regular`'s rules: a link or a FIFO raises OSError)."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        return f.read()
+
+
 def read_json(path: str | os.PathLike) -> Any:
-    """Read a JSON file; raises OSError or ValueError like `json.load`."""
-    with open(path, "rb") as f:
-        return json.loads(f.read())
+    """Read a JSON file (a regular one: `open_regular`); raises OSError or ValueError like `json.load`. NaN and
+    Infinity, which Python writes and JSON lacks, read as None, so what is read can be printed as JSON again."""
+    return json.loads(read_regular(path), parse_constant=lambda _: None)
 
 
 def write_problem(folder: str | os.PathLike) -> str | None:

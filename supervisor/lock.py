@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from supervisor.errors import ConfigError, RunLockedError, UsageError
+from supervisor.fsutil import open_regular
 
 LOCK_FILE = "supervisor.lock"
 
@@ -67,7 +68,7 @@ def holder(node_dir: str | os.PathLike) -> dict | None:
     """Who holds the lock of `node_dir` ({"pid", "host", "since"}), or None if nobody does."""
     path = Path(node_dir) / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path)  # a FIFO there would hang status, logs and gc
     except OSError:
         return None
     try:

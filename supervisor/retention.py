@@ -92,8 +92,7 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
         elif info.partial:
             pid = store.writer_alive(info.path)
             if pid is not None:
-                spared.append((info, f"save in progress (writer pid {pid})" if pid > 0 else
-                               "save or copy in progress (its writer holds the lock)"))
+                spared.append((info, store.writer_text(pid)))
             elif owner_alive and not older:
                 spared.append((info, "a live supervisor may still own this save"))
             else:

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import __version__
-from supervisor.fsutil import atomic_write_bytes, fsync_dir
+from supervisor.fsutil import atomic_write_bytes, fsync_dir, open_regular, read_regular
 
 FORMAT = "resilient-checkpoint"
 SCHEMA_VERSION = 1
@@ -58,10 +58,10 @@ PARTIAL_SUFFIX = ".partial"
 TRASH_PREFIX = ".trash."
 SPARE_DIR = ".spare"  # in a local tier: data files of deleted checkpoints, for the next saves to write over
 DATA_SUFFIX = "_0.distcp"  # a rank's data file (its tensors), the one file of a save worth writing over
-STEP_RE = re.compile(r"^step_(\d{9})$")
-PARTIAL_RE = re.compile(r"^step_(\d{9})\.partial$")
+STEP_RE = re.compile(r"^step_([0-9]{9})$")
+PARTIAL_RE = re.compile(r"^step_([0-9]{9})\.partial$")
 QUARANTINE_SUFFIX = ".quarantined"
-QUARANTINE_RE = re.compile(r"^step_(\d{9})\.quarantined(?:\.(\d+))?$")
+QUARANTINE_RE = re.compile(r"^step_([0-9]{9})\.quarantined(?:\.([0-9]+))?$")
 QUARANTINE_FILE = "QUARANTINE.json"
 # Files this small are checksummed by every check, not only a deep one: reading them costs nothing, and
 # DCP's .metadata (a few KB to MB) is read first by every load, so one flipped byte there fails every rank.
@@ -128,7 +128,7 @@ def checksum_file(path: str | os.PathLike, algorithm: str = CHECKSUM_ALGORITHM,
     h = _hasher(algorithm)
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(open_regular(path), "rb", buffering=0) as f:  # a link in a checkpoint is never read through
         try:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except (AttributeError, OSError):
@@ -219,10 +219,12 @@ class Manifest:
                 writer=dict(doc.get("writer", {})),
                 extra=dict(doc.get("extra", {})),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"missing or malformed field ({e})") from None
         if any(f.name in ("", ".", "..") or "/" in f.name or f.size < 0 for f in files):
             raise ValueError("lists a file name or size that cannot be right")
+        if not (0 <= manifest.created_at < MAX_UNIX_TIME) or manifest.step < 0 or manifest.world_size < 1:
+            raise ValueError("has a time, step or world size that cannot be right")
         return manifest
 
 
@@ -242,8 +244,15 @@ def save_identity(files: Iterable[FileRecord]) -> str:
     return h.hexdigest()[:16]
 
 
+MAX_UNIX_TIME = 253402300800.0  # 10000-01-01: past it a date cannot be written
+
+
 def iso(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="milliseconds")
+    """A Unix time as ISO 8601 in UTC; one no date can hold (a damaged file's) as "?"."""
+    try:
+        return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="milliseconds")
+    except (OverflowError, ValueError, OSError):
+        return "?"
 
 
 def writer_versions() -> dict[str, str]:
@@ -259,6 +268,15 @@ def writer_versions() -> dict[str, str]:
 
 # --------------------------------------------------------------------------------------------------
 # Writing
+
+
+def writer_text(pid: int) -> str:
+    """What a live or unverifiable writer (writer_alive's answer) means, in words."""
+    if pid > 0:
+        return f"save in progress (writer pid {pid} is alive)"
+    if pid == UNCHECKABLE:
+        return "its writer lock cannot be checked (no permission, or not a file): taken as a save in progress"
+    return "save or copy in progress (its writer holds the lock)"  # e.g. a replicator's copy
 
 
 def describe_files(folder: str | os.PathLike, names: Iterable[str], algorithm: str = CHECKSUM_ALGORITHM,
@@ -283,20 +301,27 @@ def _try_lock(fd: int) -> bool:
         raise
 
 
+HELD = -1  # writer_alive: a writer holds the lock, its PID unrecorded
+UNCHECKABLE = -2  # writer_alive: the lock cannot be opened (no permission, not a file): taken as held
+
+
 def writer_alive(partial: str | os.PathLike) -> int | None:
-    """The PID recorded by a live writer of this partial folder, or None if no writer holds it."""
+    """The PID recorded by a live writer of this partial folder (HELD if it recorded none, UNCHECKABLE if the lock
+    cannot be checked: a save nobody can show to be dead is treated as live), or None if no writer holds it."""
     lock = Path(partial) / WRITER_LOCK
     try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
+        fd = open_regular(lock)
+    except FileNotFoundError:
         return None
+    except OSError:
+        return UNCHECKABLE if os.path.lexists(lock) or not os.access(partial, os.R_OK | os.X_OK) else None
     try:
         if _try_lock(fd):
             return None
         try:
-            return int(json.loads(os.pread(fd, 4096, 0) or b"{}").get("pid", 0)) or -1
-        except ValueError:
-            return -1
+            return int(json.loads(os.pread(fd, 4096, 0) or b"{}").get("pid", 0)) or HELD
+        except (ValueError, TypeError, AttributeError, OverflowError):
+            return HELD
     finally:
         os.close(fd)
 
@@ -411,7 +436,7 @@ def begin(root: str | os.PathLike, step: int) -> PartialCheckpoint:
     if path.exists():
         pid = writer_alive(path)
         if pid is not None:
-            raise RuntimeError(f"{path} is being written by a live writer (pid {pid}); "
+            raise RuntimeError(f"{path} is held by a live writer: {writer_text(pid)}; "
                                "two jobs must not share a checkpoint root")
         shutil.rmtree(path)
     path.mkdir()
@@ -470,6 +495,10 @@ class CheckpointInfo:
         }
 
 
+# A link may lead out of the checkpoint and a FIFO would hang every reader; no save writes either.
+NOT_REGULAR = "is not a regular file (a link, a folder or a device): no save writes one"
+
+
 def _entries(folder: Path) -> dict[str, os.stat_result]:
     return {e.name: e.stat(follow_symlinks=False) for e in os.scandir(folder)}
 
@@ -508,13 +537,14 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
     if partial:
         pid = writer_alive(path)
         if pid is not None:
-            return result(Status.INCOMPLETE, f"save in progress (writer pid {pid} is alive)" if pid > 0 else
-                          "save or copy in progress (its writer holds the lock)")  # e.g. a replicator's copy
+            return result(Status.INCOMPLETE, writer_text(pid))
         return result(Status.INCOMPLETE, "partial save, never committed (its writer is gone)")
     if MARKER not in entries:
         return result(Status.INCOMPLETE, "no completion marker: the save never finished")
+    if not stat.S_ISREG(entries[MARKER].st_mode):
+        return result(Status.CORRUPT, f"{MARKER} {NOT_REGULAR}")
     try:
-        manifest = Manifest.from_json((path / MARKER).read_bytes())
+        manifest = Manifest.from_json(read_regular(path / MARKER))
     except ValueError as e:
         return result(Status.CORRUPT, f"completion marker is unreadable: {e}")
     except UnsupportedChecksum as e:
@@ -528,6 +558,8 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
         st = entries.get(f.name)
         if st is None:
             return result(Status.CORRUPT, f"{f.name} is missing", manifest)
+        if not stat.S_ISREG(st.st_mode):
+            return result(Status.CORRUPT, f"{f.name} {NOT_REGULAR}", manifest)
         if st.st_size != f.size:
             how = "truncated" if st.st_size < f.size else "grown"
             return result(Status.CORRUPT, f"{f.name} is {st.st_size} bytes, manifest says {f.size} ({how})",
@@ -558,7 +590,7 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
 def quarantine_reason(path: str | os.PathLike) -> str:
     """Why a quarantined folder was set aside (from its QUARANTINE.json)."""
     try:
-        doc = json.loads((Path(path) / QUARANTINE_FILE).read_bytes())
+        doc = json.loads(read_regular(Path(path) / QUARANTINE_FILE))
         return str(doc["reason"])
     except (OSError, ValueError, KeyError, TypeError):
         return "set aside (its QUARANTINE.json is missing or unreadable)"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 
 import pytest
 
@@ -223,3 +225,81 @@ def test_a_spare_pool_that_is_a_link_is_never_followed(tmp_path):
     assert store.spare_sizes(root) == {} and not store.claim_spare(root, tmp_path / "__0_0.distcp")
     store.drop_spares(root)
     assert not (root / store.SPARE_DIR).is_symlink() and (outside / "__0_0.distcp.x").read_bytes() == b"not the tier's"
+
+
+def _answers(fn, fifos, timeout=10.0):
+    """fn() run in a thread: its answer, failing the test if it waits on one of `fifos` (which are then opened for
+    writing, so the thread ends and none is left behind)."""
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("v", fn()), daemon=True)
+    t.start()
+    t.join(timeout)
+    hung = t.is_alive()
+    if hung:
+        for f in fifos:
+            with contextlib.suppress(OSError):
+                os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(timeout)
+    assert not hung, f"waited on a FIFO: {fifos}"
+    return out["v"]
+
+
+def test_a_fifo_or_a_link_in_a_checkpoint_is_never_waited_on_nor_read_through(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "ckpt"
+    # The marker a FIFO: every reader of the root used to hang on it.
+    fifo_marker = write_checkpoint(root, 1)
+    (fifo_marker / store.MARKER).unlink()
+    os.mkfifo(fifo_marker / store.MARKER)
+    # A listed file a link to a copy of itself outside: same size, same checksum, yet not the checkpoint's bytes.
+    linked = write_checkpoint(root, 2)
+    data = linked / "__0_0.distcp"
+    (outside / "copy").write_bytes(data.read_bytes())
+    data.unlink()
+    data.symlink_to(outside / "copy")
+    # A set-aside checkpoint whose QUARANTINE.json is a FIFO, and a partial save whose writer lock is one.
+    aside = store.quarantine(write_checkpoint(root, 3), "test")
+    (aside / store.QUARANTINE_FILE).unlink()
+    os.mkfifo(aside / store.QUARANTINE_FILE)
+    partial = write_checkpoint(root, 4, commit=False).path
+    (partial / store.WRITER_LOCK).unlink()
+    os.mkfifo(partial / store.WRITER_LOCK)
+    fifos = [fifo_marker / store.MARKER, aside / store.QUARANTINE_FILE, partial / store.WRITER_LOCK]
+
+    infos = _answers(lambda: [store.inspect(p, deep=True) for p in store.checkpoint_dirs(root, quarantined=True)],
+                     fifos)
+    by_step = {i.step: i for i in infos}
+    assert by_step[1].status is Status.CORRUPT and "not a regular file" in by_step[1].reason, by_step[1]
+    assert by_step[2].status is Status.CORRUPT and "__0_0.distcp is not a regular file" in by_step[2].reason
+    assert by_step[3].status is Status.CORRUPT and "QUARANTINE.json is missing or unreadable" in by_step[3].reason
+    assert by_step[4].status is Status.INCOMPLETE and "cannot be checked" in by_step[4].reason, by_step[4]
+    assert store.latest_valid(root) is None
+    # gc: a partial whose lock cannot be checked is spared (nobody can show its writer dead).
+    plan = _answers(lambda: retention.plan(root, store.scan(root), keep=1, owner_alive=False), fifos)
+    assert partial not in {r.path for r in plan.remove}, plan
+    assert any(i.path == partial and "cannot be checked" in why for i, why in plan.spared), plan.spared
+    assert (outside / "copy").exists()
+
+
+def test_only_ascii_digits_name_a_step_and_impossible_marker_values_are_corrupt(tmp_path):
+    assert store.STEP_RE.match("step_000000002")
+    assert not store.STEP_RE.match("step_\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0662")  # Arabic-Indic
+    (tmp_path / "step_\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0662").mkdir()
+    assert store.checkpoint_dirs(tmp_path) == []
+
+    for field, value in [("created_at_unix", 1e20), ("created_at_unix", float("nan")), ("step", -1)]:
+        path = write_checkpoint(tmp_path / field / str(value), 7)
+        doc = json.loads((path / store.MARKER).read_text())
+        doc.pop("marker_checksum")  # an older marker, without its own checksum
+        doc[field] = value
+        (path / store.MARKER).write_text(json.dumps(doc))
+        info = store.inspect(path)
+        assert info.status is Status.CORRUPT, (field, value, info)
+    path = write_checkpoint(tmp_path / "huge", 8)
+    doc = json.loads((path / store.MARKER).read_text())
+    doc.pop("marker_checksum")
+    (path / store.MARKER).write_text(json.dumps(doc).replace('"size": 4096', '"size": 1e999', 1))
+    info = store.inspect(path)
+    assert info.status is Status.CORRUPT and "malformed" in info.reason, info
+    assert store.iso(1e20) == "?" and store.iso(float("nan")) == "?"
