@@ -101,7 +101,13 @@ class CheckpointConfig:
 
     def local_root(self, node: str) -> Path | None:
         """This node's local tier, `{node}` filled in."""
-        return None if self.local_dir is None else Path(str(self.local_dir).replace("{node}", node))
+        root = None if self.local_dir is None else Path(str(self.local_dir).replace("{node}", node))
+        if root is not None and (root == self.dir or self.dir in root.parents or root in self.dir.parents):
+            # The job file's check sees `{node}` unfilled: this node's name may still bring the two together.
+            raise ConfigError(f"checkpoint.local_dir {str(self.local_dir)!r} is {root} on node {node!r}, which is "
+                              f"not apart from checkpoint.dir ({self.dir}): the local tier is copied into the "
+                              "durable one; give them folders apart.")
+        return root
 
 
 @dataclass(frozen=True)

@@ -124,13 +124,20 @@ def resolved(path: str | os.PathLike, run_dir: Path, written_in: str | os.PathLi
 
 
 def recorded_checkpoint_root(run_dir: Path) -> Path:
-    """The checkpoint root job.json records, resolved against `run_dir`; else the default <run_dir>/checkpoints."""
+    """The checkpoint root job.json records, resolved against `run_dir`; the default <run_dir>/checkpoints when
+    there is no job.json. A job.json that cannot be read is a UsageError: the root it names may be elsewhere, and
+    acting on the default in its place would show or delete the wrong folder."""
+    path = run_dir / JOB_FILE
     try:
-        job = read_json(run_dir / JOB_FILE)["job"]
-        return resolved(job["checkpoint"]["dir"], run_dir, job.get("run_dir"),
-                        what=f"{run_dir / JOB_FILE} (checkpoint.dir)")
-    except (OSError, ValueError, KeyError, TypeError):
+        job = read_json(path)["job"]
+        return resolved(job["checkpoint"]["dir"], run_dir, job.get("run_dir"), what=f"{path} (checkpoint.dir)")
+    except FileNotFoundError:
         return run_dir / "checkpoints"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        why = e.strerror if isinstance(e, OSError) else f"not a job record: {e.__class__.__name__} {e}"
+        raise UsageError(f"{path} cannot be read ({why}); it records where this run's checkpoints are: pass the "
+                         "checkpoint root you mean as TARGET (`resilient run` on the run dir writes it anew).") \
+            from None
 
 
 def inside(path: Path, folder: Path) -> bool:

@@ -15,7 +15,7 @@ import shutil
 import stat
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from supervisor import store
@@ -118,23 +118,28 @@ class Applied:
 
     removed: list[Removal]
     failed: list[tuple[Removal, str]]  # with the reason, e.g. "Read-only file system"
+    gone: list[Removal] = field(default_factory=list)  # already gone when its turn came: removed by someone else
 
     @property
     def freed_bytes(self) -> int:
         return sum(r.size_bytes for r in self.removed)
 
 
+GONE = "gone already"  # _remove: someone else removed it first (another gc, another node's retention)
+
+
 def _remove(r: Removal, spare_bytes: int = 0) -> str | None:
-    """Delete one folder; None when it is gone, else why not. A checkpoint is first renamed aside in one
-    atomic step, so a deletion that fails half-way never leaves a half-deleted `step_<N>` folder behind. With
-    `spare_bytes`, its data files go to the root's spare pool first (store.keep_spare), up to that many bytes."""
+    """Delete one folder; None when this call deleted it, GONE when it was gone already, else why not. A
+    checkpoint is first renamed aside in one atomic step, so a deletion that fails half-way never leaves a
+    half-deleted `step_<N>` folder behind. With `spare_bytes`, its data files go to the root's spare pool first
+    (store.keep_spare), up to that many bytes."""
     path = r.path
     if not path.name.startswith(store.TRASH_PREFIX):
         aside = store.aside_path(path)
         try:
             os.rename(path, aside)
         except FileNotFoundError:
-            return None  # someone else removed it
+            return GONE
         except OSError as e:
             return e.strerror or str(e)  # nothing was touched
         path = aside
@@ -183,10 +188,13 @@ def apply(p: Plan, *, spare_bytes: int = 0) -> Applied:
     over (a local tier, while its run goes on: store.keep_spare)."""
     removed: list[Removal] = []
     failed: list[tuple[Removal, str]] = []
+    gone: list[Removal] = []
     for r in sorted(p.remove, key=lambda r: r.why.startswith("older than")):
         why = _remove(r, spare_bytes)
         if why is None:
             removed.append(r)
+        elif why is GONE:
+            gone.append(r)
         else:
             failed.append((r, why))
-    return Applied(removed, failed)
+    return Applied(removed, failed, gone)

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,10 +198,45 @@ def read(path: Path) -> RunRecord:
                              damaged=not isinstance(d, dict) or "schema_version" not in d)
     try:
         rec = RunRecord.from_dict(d)
-    except (TypeError, ValueError) as e:
+        _check_types(rec)
+        for h in rec.history:
+            _check_types(h)
+        if not isinstance(rec.accounting.get("summary", {}), dict):
+            raise ValueError("accounting.summary: not an object")
+        _relative_paths(rec)
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
         raise StateFileError(f"{path}: malformed ({e})", damaged=True) from None
-    _relative_paths(rec)
     return rec
+
+
+def _check_types(obj: Any) -> None:
+    """Every field of a record read back holds what its annotation says: a damaged or hand-edited file is said
+    to be one, not met later as a traceback in whatever reads the field."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if not _fits(value, hints[f.name]):
+            raise ValueError(f"{f.name}: {value!r:.60} is not {hints[f.name]}".replace("typing.", ""))
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_fits(value, a) for a in args)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is float:  # a time or a fraction: finite, and a date can hold it
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+            and abs(value) < 1e12
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, origin or hint)
 
 
 def _relative_paths(rec: RunRecord) -> None:

@@ -26,11 +26,20 @@ class Target:
         """The checkpoint root lies outside the run dir (an absolute `checkpoint.dir`): shared by copies."""
         return self.run_dir is not None and not layout.inside(self.checkpoint_root, self.run_dir)
 
+    @property
+    def root_link(self) -> Path | None:
+        """Where the checkpoint root really is, when a link (it or a folder above it) leads elsewhere."""
+        real = Path(os.path.realpath(self.checkpoint_root))
+        return real if real != Path(os.path.normpath(self.checkpoint_root)) else None
+
     def root_note(self) -> str | None:
-        """The sentence that names a checkpoint root outside the run dir, or None."""
+        """The sentence that names a checkpoint root outside the run dir or reached through a link, or None."""
+        link = f" (a link to {self.root_link})" if self.root_link is not None and self.checkpoint_root.is_symlink() \
+            else ""
         if not self.root_outside:
-            return None
-        return f"checkpoint root {self.checkpoint_root} (outside the run dir {self.run_dir}, as its job records it)"
+            return f"checkpoint root {self.checkpoint_root}{link}" if link else None
+        return f"checkpoint root {self.checkpoint_root}{link} (outside the run dir {self.run_dir}, as its job " \
+               "records it)"
 
     def existing_root(self) -> Path | None:
         """The checkpoint root if it exists; None if the run has written no checkpoint yet. A root recorded
@@ -110,21 +119,39 @@ def local_tiers(t: Target) -> list[tuple[str, Path]]:
             rec = state.read(path)
         except state.StateFileError:
             continue
-        recorded = (rec.replication or {}).get("local_root")
-        root = layout.resolved(recorded, t.run_dir, what=f"{path} (replication.local_root)") if recorded else None
-        if root is not None and root.is_dir():
+        recorded = rec.replication.get("local_root")
+        if not isinstance(recorded, str) or not recorded:
+            continue
+        root = layout.resolved(recorded, t.run_dir, what=f"{path} (replication.local_root)")
+        # The durable root itself, or a folder another node already named, is not a second local tier: acting on
+        # it twice would delete by one tier's rule what the other keeps, and report each deletion twice.
+        if root.is_dir() and not any(_same(root, r) for r in [t.checkpoint_root, *(r for _, r in found)]):
             found.append((rec.node or rec.supervisor.get("host") or "node", root))
     return found
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def keep_local_of(t: Target) -> int:
     """The job's `checkpoint.keep_local` (2 when the run dir does not say)."""
     from supervisor.fsutil import read_json
 
+    if t.run_dir is None:
+        return 2
+    path = t.run_dir / layout.JOB_FILE
     try:
-        return int(read_json(t.run_dir / layout.JOB_FILE)["job"]["checkpoint"]["keep_local"])  # type: ignore[operator]
+        value = read_json(path)["job"]["checkpoint"]["keep_local"]
     except (OSError, ValueError, KeyError, TypeError):
         return 2
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{path} records checkpoint.keep_local as {value!r}, which keeps no whole number of "
+                         "checkpoints; pass --keep-local N (at least 1).")
+    return value
 
 
 def state_files(t: Target) -> list[Path]:

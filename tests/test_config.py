@@ -220,3 +220,15 @@ def test_a_checkpoint_root_the_filesystem_refuses_is_one_sentence_and_nothing_is
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert "/sys/resilient-test-ckpt: " in result.stderr and "nothing was launched" in result.stderr, result.stderr
     assert not (tmp_path / "runs" / "tiny-gpt" / "state.json").exists()
+
+
+def test_a_local_tier_that_a_node_name_brings_onto_the_durable_root_is_refused_before_anything_runs(tmp_path, cli):
+    """The job file's check sees `{node}` unfilled; the node's name can still make the two one folder, where gc
+    and retention would delete by two rules."""
+    shared = tmp_path / "shared"
+    sets = ("--set", f"checkpoint.local_dir={shared}/{{node}}", "--set", f"checkpoint.dir={shared}/n1",
+            "--set", "nnodes=2", "--set", "rdzv.endpoint=127.0.0.1:29999")
+    result = cli("run", write(tmp_path, GOOD), *sets, "--node", "n1")
+    assert result.exit_code == 2 and "not apart from checkpoint.dir" in result.stderr, result.output
+    assert "on node 'n1'" in result.stderr and "Traceback" not in result.output
+    assert not shared.exists() and not (tmp_path / "runs").exists()

@@ -369,3 +369,82 @@ def test_nodes_the_run_went_on_without_are_retired_and_do_not_count(tmp_path, cl
     shutil.rmtree(run_dir / "nodes" / "d")
     doc = json.loads(cli("status", run_dir, "--json").stdout)  # nobody followed them: a stopped run
     assert doc["state"] == "stopped" and not any(n["retired"] for n in doc["nodes"])
+
+
+def _run_dir(tmp_path: Path, steps=(1, 2, 3, 4), **replication) -> Path:
+    run_dir = tmp_path / "run"
+    for step in steps:
+        write_checkpoint(run_dir / "checkpoints", step)
+    rec = state.RunRecord(name="hostile", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.SUCCEEDED,
+                          replication=dict(replication))
+    state.write(run_dir / "state.json", rec)
+    (run_dir / "job.json").write_text(json.dumps({"schema_version": 1, "job": {
+        "checkpoint": {"dir": "checkpoints", "keep_local": 1}}}))
+    return run_dir
+
+
+def test_a_damaged_state_or_job_record_is_one_sentence_and_nothing_is_deleted(tmp_path, cli):
+    run_dir = _run_dir(tmp_path)
+    good = json.loads((run_dir / "state.json").read_text())
+    for key, value in [("history", [1]), ("ranks", [1]), ("replication", "x"), ("supervisor", "x"),
+                       ("accounting", {"summary": "x"}), ("run_dir", 5), ("updated_at", 1e20), ("step", "NaN")]:
+        (run_dir / "state.json").write_text(json.dumps({**good, key: value}).replace('"NaN"', "NaN"))
+        for args in (("status", run_dir), ("status", run_dir, "--json"), ("logs", run_dir),
+                     ("inspect-checkpoint", run_dir), ("gc", run_dir, "--keep", "1", "--dry-run")):
+            r = cli(*args)
+            assert r.exit_code in (0, 2), (key, args, r.output)
+            if r.exit_code == 2:
+                if args[0] != "logs":  # logs reads the attempts' folders (this run dir has none)
+                    assert "state.json: malformed" in r.output and "damaged" in r.output, (key, args, r.output)
+                if "--json" in args:
+                    assert json.loads(r.stdout)["exit_code"] == 2, r.output
+                else:
+                    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    # NaN and Infinity where Python wrote them read as nothing, so `status --json` stays JSON.
+    (run_dir / "state.json").write_text(json.dumps({**good, "goodput": float("inf")}))
+    r = cli("status", run_dir, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["goodput"] is None, r.output
+
+    (run_dir / "state.json").write_text(json.dumps(good))
+    for damaged in ('{"schema_version": 1, "job": ', '[1]', '{"job": {"checkpoint": 5}}'):
+        (run_dir / "job.json").write_text(damaged)
+        for args in (("inspect-checkpoint", run_dir), ("gc", run_dir, "--keep", "1")):
+            r = cli(*args)
+            assert r.exit_code == 2 and "job.json cannot be read" in r.output, (damaged, args, r.output)
+    assert [c.step for c in store.scan(run_dir / "checkpoints")] == [1, 2, 3, 4]
+
+
+def test_gc_takes_no_local_tier_for_the_durable_root_and_refuses_a_bad_keep_local(tmp_path, cli):
+    # A node's local tier recorded as the durable root itself (a {node} template that met checkpoint.dir).
+    run_dir = _run_dir(tmp_path, local_root="checkpoints")
+    doc = json.loads(cli("gc", run_dir, "--keep", "3", "--json").stdout)
+    assert doc["kept"] == [2, 3, 4] and [x["step"] for x in doc["removed"]] == [1], doc
+    assert "local_tiers" not in doc, doc
+    # Two nodes naming one local folder: its checkpoints are judged once, each deletion reported once.
+    nvme = tmp_path / "nvme"
+    for step in (1, 2, 3):
+        write_checkpoint(nvme, step)
+    for node in ("a", "b"):
+        rec = state.RunRecord(name="hostile", run_dir=".", checkpoint_dir="checkpoints", node=node,
+                              state=state.RunState.SUCCEEDED, replication={"local_root": str(nvme)})
+        state.write(run_dir / "nodes" / node / "state.json", rec)
+    doc = json.loads(cli("gc", run_dir, "--keep", "3", "--json").stdout)
+    assert len(doc["local_tiers"]) == 1 and [x["step"] for x in doc["local_tiers"][0]["removed"]] == [1, 2], doc
+    for bad in (0, -1, "2", 1.5):
+        (run_dir / "job.json").write_text(json.dumps({"schema_version": 1, "job": {
+            "checkpoint": {"dir": "checkpoints", "keep_local": bad}}}))
+        r = cli("gc", run_dir, "--keep", "3")
+        assert r.exit_code == 2 and "checkpoint.keep_local" in r.output and "--keep-local" in r.output, r.output
+    assert sorted(p.name for p in nvme.iterdir()) == ["step_000000003"]
+
+
+def test_gc_names_the_folder_a_linked_checkpoint_root_leads_to(tmp_path, cli):
+    run_dir = _run_dir(tmp_path, steps=())
+    elsewhere = tmp_path / "big-disk"
+    for step in (1, 2):
+        write_checkpoint(elsewhere, step)
+    (run_dir / "checkpoints").symlink_to(elsewhere)
+    r = cli("gc", run_dir, "--keep", "1")
+    assert r.exit_code == 0 and f"(a link to {elsewhere})" in r.stdout.splitlines()[0], r.output
+    r = cli("gc", run_dir, "--keep", "1", "--json")
+    assert f"(a link to {elsewhere})" in r.stderr, r.output

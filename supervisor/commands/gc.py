@@ -99,7 +99,7 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local
     # The folder comes first, before anything is deleted: a copied run dir may share an outside root.
     note = t.root_note() or f"checkpoint root {t.checkpoint_root}"
     if as_json:
-        if t.root_outside:
+        if t.root_note() is not None:
             render.err.print(f"resilient: {note}", markup=False, soft_wrap=True)
     else:
         render.out.print(note, markup=False, soft_wrap=True)

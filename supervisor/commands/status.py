@@ -225,7 +225,11 @@ def collect(target: str | None) -> StatusResult:
     nodes = []
     for n in state.read_nodes(files):
         if n.record is None:
-            raise UsageError(f"{n.error}; was it written by a newer resilient?")
+            damaged = n.error is not None and n.error.damaged
+            why = ("it is damaged (a machine that crashed mid-write, or a hand edit); `resilient run` sets it aside "
+                   "and starts the run's record afresh, its checkpoints read as always" if damaged else
+                   "was it written by a newer resilient?")
+            raise UsageError(f"{n.error}; {why}")
         nodes.append(NodeStatus(n.record, n.node_dir, n.alive))
     for n, gone in zip(nodes, state.retired([(n.record, n.supervisor_alive) for n in nodes]), strict=True):
         n.retired = gone
