@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -379,3 +380,33 @@ def test_recovery_exercise_rank_logs_and_a_moved_run_dir_that_resumes(tmp_path, 
     assert cli("gc", copy, "--keep", "1").exit_code == 0
     assert steps(copy / "checkpoints") == [80] and steps(moved / "checkpoints") == [40, 60, 80]
     assert "[rank 0 out] step 80/80" in cli("logs", copy, "--rank", "0").stdout
+
+
+def test_logs_never_reads_through_a_link_out_of_the_attempts_logs_nor_waits_on_a_fifo(tmp_path, cli):
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    (outside / "attempt_0" / "1").mkdir(parents=True)
+    (outside / "secret.txt").write_text("SECRET OUTSIDE THE RUN DIR\n")
+    (outside / "attempt_0" / "1" / "stdout.log").write_text("OUTSIDE RANK 1\n")
+    logs_dir = run_dir / "logs" / "attempt_1"
+    own = logs_dir / "ranks" / "x" / "attempt_0"
+    for rank in (0, 2):
+        (own / str(rank)).mkdir(parents=True)
+    (own / "0" / "stdout.log").symlink_to(outside / "secret.txt")  # a file link out
+    (logs_dir / "ranks" / "y").symlink_to(outside)  # a folder link out: rank 1
+    os.mkfifo(own / "2" / "stdout.log")
+    (own / "2" / "stderr.log").write_text("rank 2 says hello\n")
+    rec = state.RunRecord(name="x", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.SUCCEEDED)
+    rec.history.append(state.AttemptRecord(attempt=1, started_at=1.0, resumed_from_step=None, ended_at=2.0))
+    state.write(run_dir / "state.json", rec)
+
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", cli("logs", run_dir)), daemon=True)
+    t.start()
+    t.join(20)
+    if t.is_alive():  # it waits on the FIFO: open it for writing so that no thread is left behind
+        os.close(os.open(own / "2" / "stdout.log", os.O_WRONLY | os.O_NONBLOCK))
+        t.join(20)
+        pytest.fail("logs waited on a FIFO")
+    out = result["r"].output
+    assert "rank 2 says hello" in out, out
+    assert "SECRET" not in out and "OUTSIDE RANK 1" not in out, out

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from supervisor import layout, ranklogs, render, state, targets
 from supervisor.errors import ExitCode, UsageError
+from supervisor.fsutil import open_regular
 
 POLL_S = 0.2
 
@@ -30,7 +31,7 @@ class Tail:
 
     def read(self, final: bool = False) -> list[str]:
         try:
-            with open(self.path, "rb") as f:
+            with os.fdopen(open_regular(self.path), "rb") as f:  # a FIFO would hang the reader
                 f.seek(self.offset)
                 data = f.read()
         except OSError:
@@ -57,13 +58,15 @@ class NodeLogs:
         return self.node_dir / "logs" / f"attempt_{self.attempt}"
 
     def discover(self, rank: int | None) -> None:
+        real_logs = Path(os.path.realpath(self.logs_dir))
         for r, folder in ranklogs.rank_folders(self.logs_dir).items():
             if rank is not None and r != rank:
                 continue
             for stream in ranklogs.STREAMS:
                 path = folder / f"{stream}.log"
                 real = os.path.realpath(path)
-                if real not in self.tails:
+                # A link out of the attempt's logs (planted, or left by a copy) is never read through.
+                if real not in self.tails and layout.inside(Path(real), real_logs):
                     self.tails[real] = Tail(path, f"[rank {r} {stream[3:]}] ")
 
     def read(self, final: bool = False) -> list[str]:
