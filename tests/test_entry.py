@@ -233,10 +233,12 @@ def test_final_checkpoint_exports_to_a_single_torch_file(tmp_path):
     assert json.loads(sd["train"])["step"] == 12
     # The easy slips (the root for a step, a folder that is not there) are one sentence each, not a traceback.
     for args, words in (([tmp_path / "checkpoints", tmp_path / "m.pt"], f"e.g. {final.path}"),
-                        ([final.path, tmp_path / "nowhere" / "m.pt"], "does not exist")):
+                        ([final.path, tmp_path / "nowhere" / "m.pt"], "does not exist"),
+                        ([final.path, final.path / "model.pt"], "inside the checkpoint it exports")):
         out = subprocess.run([sys.executable, "-m", "train_entry.export", *map(str, args)], capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert store.inspect(final.path, deep=True).valid  # nothing was written into it
 
 
 def test_proc_helper_kills_the_whole_tree(tmp_path):

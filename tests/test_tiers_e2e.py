@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -236,6 +237,11 @@ def test_two_nodes_resume_from_their_own_local_tiers_and_assemble_the_durable_ch
     assert sorted(p.name for p in final.glob("__*_0.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert sorted(store.inspect(final).manifest.extra["nodes"]) == ["a", "b"]
     assert not (final / ".parts").exists()  # the bookkeeping of the assembly goes once it is published
+    # A node's local copy lacks the other node's shards: export names the durable one instead of a DCP traceback.
+    out = subprocess.run([sys.executable, "-m", "train_entry.export", str(copy), str(tmp_path / "m.pt")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "export the durable tier's step_000000100" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "m.pt").exists()
 
 
 def test_two_nodes_behind_a_slow_durable_tier_copy_the_same_newest_steps_and_skip_the_rest(tmp_path):

@@ -10,6 +10,7 @@ a process group: the final model of a finished run, for evaluation or serving.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -46,14 +47,37 @@ def main(argv: list[str] | None = None) -> int:
     if not info.valid:
         print(f"{args.checkpoint}: not a valid checkpoint ({info.status.value}: {info.reason})", file=sys.stderr)
         return 1
+    extra = info.manifest.extra if info.manifest is not None else {}
+    if extra.get("tier") == "local" and len(extra.get("nodes") or ()) > 1:
+        print(f"{args.checkpoint}: a node-local copy, which holds only node {extra.get('node')!r}'s shards of "
+              f"{len(extra['nodes'])} nodes'; export the durable tier's step_{info.step:09d} (checkpoint.dir).",
+              file=sys.stderr)
+        return 2
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         print(f"{args.out}: its folder {out_dir} does not exist; create it or name another file.", file=sys.stderr)
         return 2
+    real_ckpt = os.path.realpath(args.checkpoint)
+    if os.path.commonpath([os.path.realpath(out_dir), real_ckpt]) == real_ckpt:
+        print(f"{args.out}: inside the checkpoint it exports, where an unlisted file makes the checkpoint corrupt; "
+              "name a file outside it.", file=sys.stderr)
+        return 2
     try:
-        torch.save(load_whole(args.checkpoint), args.out)
-    except OSError as e:
-        print(f"{args.out}: cannot be written ({e.strerror or e}); nothing was exported.", file=sys.stderr)
+        whole = load_whole(args.checkpoint)
+    except Exception as e:  # a checkpoint whose bytes check yet do not load (DCP's own error, wrapped)
+        first = (str(e).splitlines() or [""])[0][:200]
+        print(f"{args.checkpoint}: cannot be read whole ({e.__class__.__name__}: {first}); nothing was exported.",
+              file=sys.stderr)
+        return 1
+    tmp = f"{args.out}.{os.getpid()}.tmp"  # a full disk leaves no half-written file under the name asked for
+    try:
+        torch.save(whole, tmp)
+        os.replace(tmp, args.out)
+    except (OSError, RuntimeError) as e:  # torch's writer reports a short write as RuntimeError
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else e
+        print(f"{args.out}: cannot be written ({why}); nothing was exported.", file=sys.stderr)
         return 1
     print(f"{args.out}: step {info.step}, {info.size_bytes / 1e6:.1f} MB of shards from {info.world_size} rank(s)")
     return 0
