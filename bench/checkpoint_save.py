@@ -11,11 +11,12 @@ same bytes (this rank's shard) and in the same run:
   a raw write of the rank's file's size + fdatasync; a plain sequential read of the rank's checkpoint files
   after evicting them from the page cache (posix_fadvise DONTNEED);
 - sync saves (`Checkpointer.save(sync=True)`): seconds and GB/s, ÷ the raw write;
-- async saves, training steps running until each commits: the blocking part (first save, which allocates
-  the arena, and the later ones) ÷ the copy floor; call → commit and persist GB/s ÷ the raw write; the
+- async saves, training steps running until each commits: the blocking part (the first async save, which
+  allocates the arena on CPU — on a device the sync saves before it already did —, and the later ones) ÷ the
+  copy floor; call → commit and persist GB/s ÷ the raw write; the
   steps that ran while a save persisted ÷ steady steps;
 - loads (`Checkpointer.load` of the same checkpoint, evicted first): GB/s ÷ the plain read;
-- host memory: the staging arena and the RSS peak during async saves, against the rank's shard.
+- host memory: the staging arena, and the RSS after the async saves over the RSS before, against the shard.
 
 Prints a markdown table and writes bench/results/checkpoint_save.json. Timings on a shared machine are
 noisy: compare figures from the same run only.
@@ -182,6 +183,13 @@ def worker(args: argparse.Namespace) -> None:
     def barrier() -> None:
         dist.barrier(group=group)
 
+    def someone_persists() -> bool:
+        """Agreed on the training group: a rank that saw its save commit a moment before another must not stop
+        training while the other takes one more step (each waiting in another collective: a hang)."""
+        t = torch.tensor([1 if ckpt._thread is not None and ckpt._thread.is_alive() else 0], device=ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     # ---- sync saves, and the raw write of the same bytes
     syncs, raws = [], []
     for i in range(args.saves):
@@ -192,7 +200,7 @@ def worker(args: argparse.Namespace) -> None:
         barrier()
         syncs.append(time.monotonic() - t0)
         my_bytes = (step_dir(state.step) / my_file).stat().st_size
-        source = memoryview(bytearray(os.urandom(1 << 20)) * max(1, my_bytes >> 20))[:my_bytes]
+        source = memoryview(bytearray(os.urandom(1 << 20)) * ((my_bytes >> 20) + 1))[:my_bytes]
         barrier()
         t0 = time.monotonic()
         raw_write(root / f"raw_{rank}_{i}.bin", source)
@@ -243,7 +251,7 @@ def worker(args: argparse.Namespace) -> None:
         saved = state.step
         blocking = ckpt.save(saved, sd_fn, sync=False)
         during = []
-        while ckpt.in_flight is not None and ckpt._thread is not None and ckpt._thread.is_alive():
+        while someone_persists():
             during.append(train_step())
         ckpt.wait()
         asyncs.append({"blocking_s": blocking, "to_commit_s": ckpt.last_save_s, "steps_s": during})
@@ -296,7 +304,7 @@ def summarise(ranks: list[dict[str, Any]], wall_s: float, args: argparse.Namespa
         "async_blocking_vs_copy_floor": med(later) / med(copy_s), "async_to_commit_s": med(commit),
         "persist_gb_per_s": ckpt / 1e9 / med(commit), "persist_vs_raw": med(raw_s) / med(commit),
         "step_s_steady": med(steady), "step_s_while_persisting": med(during) if during else None,
-        "steps_while_persisting": len(during) // max(1, len(ranks)),
+        "steps_while_persisting": len(during) // max(1, len(ranks) * len(commit)),  # per save, per rank
         "step_slowdown_while_persisting": (med(during) / med(steady) - 1) if during else None,
         "load_s": med(load_s), "plain_read_s": med(read_s), "load_vs_plain_read": med(read_s) / med(load_s),
         "load_parts_s": {k: med(max(r["load_parts"][i][k] for r in ranks) for i in range(len(load_s)))
@@ -316,7 +324,7 @@ def report(o: dict[str, Any], args: argparse.Namespace) -> None:
           f"{gb:.2f} GB, {args.ranks} rank(s) on {args.device}\n")
     print("| measure | ours | floor (same bytes, same run) | ratio | goal |")
     print("|---|---:|---:|---:|---|")
-    print(f"| async save, training blocked: first (allocates) / later | {o['async_blocking_first_s']:.3f} / "
+    print(f"| async save, training blocked: first / later | {o['async_blocking_first_s']:.3f} / "
           f"{o['async_blocking_later_s']:.3f} s | copy into host buffers {o['copy_floor_s']:.3f} s | "
           f"{o['async_blocking_vs_copy_floor']:.2f}× | ≤ 2× |")
     print(f"| async save, call → committed, training meanwhile | {o['async_to_commit_s']:.2f} s "
@@ -420,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: launch's finally ends the job
     return launch(args, argv)
 
 

@@ -6,7 +6,8 @@ saves every 100 steps, `verify: checksum`) under `resilient run`, SIGKILLed twic
 Prints and writes (DIR/gpu_small.json): the step time, each save's blocking time and persist time, each kill's
 recovery (SIGKILL -> first step of the relaunched rank, and -> first step past the one it died at), the run's
 history and exit code, and `inspect-checkpoint --verify` over what it wrote. `--set` goes to `resilient run`
-(e.g. a CPU smoke test: --set 'entrypoint.args=[--steps, "60", --device, cpu]' --kill-at 15,40).
+(e.g. a CPU smoke test: --set 'entrypoint.args=[--steps, "60", --device, cpu, --test-sleep-per-step, "0.2"]'
+--kill-at 15,40). The run dir is removed at the end unless `--keep` (its path is printed then).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -64,7 +66,9 @@ def main() -> int:
     p.add_argument("--entry-args", default="",
                    help="appended to the job's entry-point args, e.g. '--precision bf16 --ema 0.999'")
     p.add_argument("--timeout", type=float, default=560.0, help="give up after this many seconds")
+    p.add_argument("--keep", action="store_true", help="keep the run dir (its checkpoints: GBs on a GPU)")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the finally below ends the run
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kill_at = [int(s) for s in args.kill_at.split(",")]
@@ -84,9 +88,16 @@ def main() -> int:
     kills: list[dict] = []
     with open(console, "wb") as log:
         sup = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def at(attempt: int, step: int) -> dict | None:
+            if sup.poll() is not None:  # finished or failed before the kill it waits for: no use waiting on
+                raise SystemExit(f"the supervisor exited ({sup.returncode}) before attempt {attempt} reached step "
+                                 f"{step}; see {console}")
+            return training_rank(run_dir, attempt, step)
+
         try:
             for attempt, step in enumerate(kill_at, start=1):
-                rank = wait_for(lambda a=attempt, s=step: training_rank(run_dir, a, s),
+                rank = wait_for(lambda a=attempt, s=step: at(a, s),
                                 args.timeout - (time.monotonic() - started), f"attempt {attempt} at step {step}")
                 kills.append({"attempt": attempt, "pid": rank["pid"], "step": rank["step"], "t": time.time()})
                 os.kill(rank["pid"], signal.SIGKILL)
@@ -94,7 +105,7 @@ def main() -> int:
             code = sup.wait(timeout=max(1.0, args.timeout - (time.monotonic() - started)))
         except (subprocess.TimeoutExpired, SystemExit) as e:
             print(f"giving up: {e}", flush=True)
-            code = None
+            code = sup.poll()
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(sup.pid, signal.SIGKILL)
@@ -129,6 +140,10 @@ def main() -> int:
                             "checkpoints": {c["step"]: c["status"] for c in doc["checkpoints"]}}
     (out / "gpu_small.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
+    if args.keep:
+        print(f"run dir kept: {run_dir}")
+    else:
+        shutil.rmtree(run_dir.parent, ignore_errors=True)
     ok = code == 0 and len(kills) == len(kill_at) and report.get("verify", {}).get("exit_code") == 0
     return 0 if ok else 1
 

@@ -49,8 +49,9 @@ class Group:
     def __init__(self, argv: list[str], cwd: Path, log: Path):
         self.log = log
         self._f = open(log, "wb")  # noqa: SIM115
-        self.p = subprocess.Popen(argv, cwd=cwd, env=env(), stdout=self._f, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        # TMPDIR: plain torchrun leaves a /tmp/torchelastic_* folder per launch; this one goes with the trial's
+        self.p = subprocess.Popen(argv, cwd=cwd, env={**env(), "TMPDIR": str(cwd)}, stdout=self._f,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
 
     def close(self) -> None:
         seen = []
@@ -170,6 +171,7 @@ def hang_trial(system: str, hang_timeout: float, cap: float) -> dict[str, float 
     with tempfile.TemporaryDirectory(prefix=f"hang-{system}-") as d:
         work, samples_dir = Path(d), Path(d) / "samples"
         g = launch(system, work, samples_dir, hang_timeout)
+        pids: dict[int, int] = {}
         try:
             pids = wait(lambda: live_workers(samples_dir, 30), 180, "training")
             t0 = time.time()
@@ -184,7 +186,7 @@ def hang_trial(system: str, hang_timeout: float, cap: float) -> dict[str, float 
                 time.sleep(0.05)
             return {"detected_s": detected, "first_step_s": step}
         finally:
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError, KeyError):  # a Ctrl-C before training has no pids
                 os.kill(pids[1], signal.SIGCONT)
             g.close()
 
@@ -239,6 +241,7 @@ def main() -> None:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
     p.add_argument("--cost-only", action="store_true", help="only the supervisor's own cost")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: each trial's finally ends its processes
     if args.cost_only:
         print(json.dumps(supervisor_cost(args.cost_seconds), indent=2))
         return

@@ -46,7 +46,8 @@ def env() -> dict[str, str]:
 
 def run(argv: list[str], cwd: Path, timeout: float, extra_env: dict[str, str] | None = None) -> None:
     with open(cwd / "out.log", "wb") as log:
-        proc = subprocess.Popen(argv, cwd=cwd, env={**env(), **(extra_env or {})}, stdout=log,
+        # TMPDIR: plain torchrun leaves a /tmp/torchelastic_* folder per launch; this one goes with the trial's
+        proc = subprocess.Popen(argv, cwd=cwd, env={**env(), "TMPDIR": str(cwd), **(extra_env or {})}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
@@ -119,6 +120,9 @@ def main() -> int:
     p.add_argument("--systems", default="bare,entry,resilient,relaunched")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "step_tax.json")
     args = p.parse_args()
+    if args.steps <= WARMUP:
+        p.error(f"--steps must exceed the {WARMUP} warm-up steps the steady mean leaves out")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: run()'s finally ends the trial's processes
     known = {"bare": bare, "entry": entry, "resilient": resilient, "relaunched": relaunched, "saving": saving}
     chosen = args.systems.split(",")
     if "bare" not in chosen or not set(chosen) <= set(known):

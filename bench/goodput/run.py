@@ -1,6 +1,6 @@
-"""The goodput benchmark: the same tiny training job under four fault-tolerance systems and one fault schedule.
+"""The goodput benchmark: the same tiny training job under several fault-tolerance systems, one fault schedule.
 
-    python bench/goodput/run.py --label "quiet machine"       # the full benchmark: ≈ 20 min, 25 at most
+    python bench/goodput/run.py --label "quiet machine"       # systems a-e: ≈ 20 min, 25 at most
     python bench/goodput/run.py --systems a,c --steps 400 --mtbf 20 --cap-s 150 --out /tmp/gp   # a short one
 
 Systems (2 CPU ranks, gloo, the tiny GPT of jobs/tiny-cpu.yaml, FSDP2 everywhere):
@@ -25,7 +25,7 @@ the mean of those two medians, so that this VM's drift over the benchmark (10-20
 Each completed phase leaves <out>/<phase>/result.json; a rerun with the same settings skips those (an
 interrupted benchmark resumes; a system run again is bracketed again), --redo names phases to run again.
 Every process a phase started is killed when it ends, however it ends. The summary goes to --json (default
-bench/results/goodput.json).
+bench/results/goodput.json, or <--out>.json when --out is given).
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ideal-steps", type=int, default=300, help="steps of the undisturbed reference runs")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "goodput",
                    help="working folder: one sub-folder per phase")
-    p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "goodput.json")
+    p.add_argument("--json", type=Path, default=None,
+                   help="the summary (default: bench/results/goodput.json, or <--out>.json with --out)")
     p.add_argument("--label", default="", help="a note stored with the results (machine, conditions)")
     p.add_argument("--redo", default="", help="phases to run again although complete, e.g. b,ideal")
     p.add_argument("--fresh", action="store_true", help="discard everything under --out first")
@@ -103,6 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not set(args.systems) <= set(SYSTEMS) or not args.systems:
         p.error(f"--systems takes letters from {','.join(SYSTEMS)}")
     args.redo = {s for s in args.redo.split(",") if s}
+    if args.json is None:  # a quick look with its own --out must not overwrite the full run's summary
+        default_out = REPO / "bench" / "results" / "goodput"
+        args.json = default_out.with_suffix(".json") if args.out.resolve() == default_out else \
+            args.out.with_suffix(".json")
     args.out, args.json = args.out.resolve(), args.json.resolve()  # the launchers run in other folders
     return args
 
