@@ -48,7 +48,8 @@ class Target:
         if root.is_dir():
             return root
         if self.root_outside:
-            raise UsageError(f"{self.run_dir} records its checkpoint root as {root}, which does not exist; "
+            what = "is not a folder" if root.exists() else "does not exist"
+            raise UsageError(f"{self.run_dir} records its checkpoint root as {root}, which {what}; "
                              "restore or mount that folder, or pass the checkpoint root you mean as TARGET.")
         return None
 
