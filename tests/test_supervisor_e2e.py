@@ -132,16 +132,17 @@ def forked_torchrun(server: psutil.Process) -> psutil.Process:
 
 
 @pytest.mark.matrix
-def test_sigterm_to_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tmp_path):
-    """On a relaunched attempt, whose torchrun is a fork of the prewarm server (attempt 1's stop is in
-    test_checkpoint_faults_e2e's damaged-checkpoints test)."""
+def test_a_hangup_of_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tmp_path):
+    """SIGHUP (the terminal of `resilient run` closed) stops like SIGTERM, whose own tests are the stopped rank's
+    below and Slurm's scancel. On a relaunched attempt, whose torchrun is a fork of the prewarm server (attempt 1's
+    stop is in test_checkpoint_faults_e2e's damaged-checkpoints test)."""
     run_dir = tmp_path / "run"
     with started(run_job(run_dir, steps=200), tmp_path, log=tmp_path / "sup1.log") as sup:
         relaunch_on_a_forked_torchrun(sup, run_dir)
         wait_for(lambda: live_ranks(run_dir, min_step=state(run_dir)["history"][-1]["resumed_from_step"] + 5), 90,
                  "attempt 2 past its resume step")
         signalled_at = time.time()
-        sup.signal(signal.SIGTERM)
+        sup.signal(signal.SIGHUP)
         assert sup.wait(60) == 143, sup.output()[-3000:]
         assert sup.alive_descendants() == []
     doc = status(run_dir)

@@ -124,8 +124,10 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
             console.event(f"checkpoint root {cfg.checkpoint.dir} (outside the run dir, as checkpoint.dir says)")
         reap_orphans(layout, cfg, console)
         sup = Supervisor(cfg, layout, console=console, launcher=make_launcher())
-        # SIGUSR1 is Slurm's usual "about to be preempted" warning: stop gracefully too (exit 143).
-        stopping = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+        # SIGUSR1 is Slurm's usual "about to be preempted" warning, SIGHUP a closed terminal (an ssh session
+        # that dropped; torchrun stops on it too): each a graceful stop, exit 143, never a supervisor gone
+        # without its record while its ranks die with it.
+        stopping = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
         previous = {sig: signal.signal(sig, lambda signum, _frame: sup.request_stop(signum)) for sig in stopping}
         started = time.monotonic()
         try:
