@@ -104,6 +104,13 @@ def main() -> int:
                 print(f"SIGKILL rank 0 (pid {rank['pid']}) of attempt {attempt} at step {rank['step']}", flush=True)
             code = sup.wait(timeout=max(1.0, args.timeout - (time.monotonic() - started)))
         except (subprocess.TimeoutExpired, SystemExit) as e:
+            if isinstance(e, SystemExit) and e.code == 143:  # SIGTERM to this script: stop now, nothing verified
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(sup.pid, signal.SIGKILL)
+                sup.wait(30)
+                if not args.keep:
+                    shutil.rmtree(run_dir.parent, ignore_errors=True)
+                raise
             print(f"giving up: {e}", flush=True)
             code = sup.poll()
         finally:

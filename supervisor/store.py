@@ -313,8 +313,9 @@ def writer_alive(partial: str | os.PathLike) -> int | None:
         fd = open_regular(lock)
     except FileNotFoundError:
         return None
-    except OSError:
-        return UNCHECKABLE if os.path.lexists(lock) or not os.access(partial, os.R_OK | os.X_OK) else None
+    except OSError as e:  # no permission, or a link or FIFO in its place; not a passing fault (EMFILE, EIO)
+        return UNCHECKABLE if e.errno in (errno.EACCES, errno.EPERM, errno.ELOOP, errno.EINVAL, errno.ENXIO) \
+            else None
     try:
         if _try_lock(fd):
             return None

@@ -478,9 +478,21 @@ def test_run_restores_the_callers_signal_handlers(tmp_path, cli, monkeypatch):
     job.write_text("name: demo\nentrypoint: {module: train_entry}\n")
     monkeypatch.setattr("supervisor.commands.run.make_launcher",
                         lambda: lambda cfg, spec, handover: FakeHandle(spec.logs_dir / "torchrun.log"))
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)}
     assert cli("run", job).exit_code == 0
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_hangup_stops_the_run_unless_it_was_started_to_ignore_one(monkeypatch):
+    """SIGHUP (a closed terminal) is a graceful stop; under `nohup`, which starts it ignored, it stays ignored."""
+    import signal
+
+    from supervisor.commands.run import stop_signals
+
+    monkeypatch.setattr(signal, "getsignal", lambda s: signal.SIG_DFL)
+    assert signal.SIGHUP in stop_signals() and signal.SIGTERM in stop_signals()
+    monkeypatch.setattr(signal, "getsignal", lambda s: signal.SIG_IGN if s == signal.SIGHUP else signal.SIG_DFL)
+    assert signal.SIGHUP not in stop_signals() and signal.SIGTERM in stop_signals()
 
 
 def test_the_resume_tier_is_taken_from_a_rank_that_has_loaded(tmp_path):

@@ -104,11 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not set(args.systems) <= set(SYSTEMS) or not args.systems:
         p.error(f"--systems takes letters from {','.join(SYSTEMS)}")
     args.redo = {s for s in args.redo.split(",") if s}
+    args.out = args.out.resolve()
     if args.json is None:  # a quick look with its own --out must not overwrite the full run's summary
-        default_out = REPO / "bench" / "results" / "goodput"
-        args.json = default_out.with_suffix(".json") if args.out.resolve() == default_out else \
-            args.out.with_suffix(".json")
-    args.out, args.json = args.out.resolve(), args.json.resolve()  # the launchers run in other folders
+        args.json = args.out.parent / (args.out.name + ".json")
+    args.json = args.json.resolve()  # the launchers run in other folders
     return args
 
 

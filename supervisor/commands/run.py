@@ -103,6 +103,15 @@ def reap_orphans(layout: RunLayout, cfg: JobConfig, console: EventConsole) -> No
     psutil.wait_procs(alive, timeout=5)
 
 
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop `resilient run` gracefully (the ranks checkpoint; exit 143, or 130 for SIGINT).
+    SIGUSR1 is Slurm's usual "about to be preempted" warning; SIGHUP a closed terminal (a dropped ssh session,
+    which otherwise killed the supervisor outright, its record left saying running, its ranks dying with it) —
+    unless SIGHUP is ignored: `nohup resilient run …` asks to outlive the terminal, and does."""
+    hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, *hangup)
+
+
 def make_launcher():  # tests replace this to capture the argv without starting torchrun
     from supervisor.launch import TorchrunLauncher
 
@@ -124,10 +133,7 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
             console.event(f"checkpoint root {cfg.checkpoint.dir} (outside the run dir, as checkpoint.dir says)")
         reap_orphans(layout, cfg, console)
         sup = Supervisor(cfg, layout, console=console, launcher=make_launcher())
-        # SIGUSR1 is Slurm's usual "about to be preempted" warning, SIGHUP a closed terminal (an ssh session
-        # that dropped; torchrun stops on it too): each a graceful stop, exit 143, never a supervisor gone
-        # without its record while its ranks die with it.
-        stopping = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+        stopping = stop_signals()
         previous = {sig: signal.signal(sig, lambda signum, _frame: sup.request_stop(signum)) for sig in stopping}
         started = time.monotonic()
         try:
