@@ -232,3 +232,39 @@ def test_a_local_tier_that_a_node_name_brings_onto_the_durable_root_is_refused_b
     assert result.exit_code == 2 and "not apart from checkpoint.dir" in result.stderr, result.output
     assert "on node 'n1'" in result.stderr and "Traceback" not in result.output
     assert not shared.exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_current_folder_that_shadows_resilient_or_is_gone_is_refused_before_anything_runs(tmp_path, cli,
+                                                                                            monkeypatch):
+    """Every helper and rank starts in the current folder with `python -m`, which imports from it first."""
+    job = write(tmp_path, GOOD)
+    for shadow in ("supervisor.py", "train_entry"):
+        where = tmp_path / f"cwd-{shadow}"
+        where.mkdir()
+        (where / shadow).mkdir() if "." not in shadow else (where / shadow).write_text("print('mine')\n")
+        monkeypatch.chdir(where)
+        result = cli("run", job, "--run-dir", tmp_path / "run")
+        assert result.exit_code == 2 and f"{where / shadow} shadows resilient's own" in result.stderr, result.output
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    result = cli("run", job, "--run-dir", tmp_path / "run")
+    assert result.exit_code == 2 and "the current folder cannot be read" in result.stderr, result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_single_node_job_under_a_node_name_is_refused_while_another_supervisor_holds_the_run_dir(tmp_path, cli,
+                                                                                                    monkeypatch):
+    """--node (or an exported RESILIENT_NODE) gave a single-node job a folder of its own under nodes/: a second
+    supervisor on a live run dir then trained a second job into the same checkpoints instead of exiting 3."""
+    from supervisor.lock import RunLock
+
+    run_dir = tmp_path / "run"
+    with RunLock(run_dir):  # a live supervisor of this run dir, started without a node name
+        result = cli("run", write(tmp_path, GOOD), "--run-dir", run_dir, "--node", "x")
+        assert result.exit_code == 3 and "held by another live supervisor" in result.stderr, result.output
+        monkeypatch.setenv("RESILIENT_NODE", "y")
+        result = cli("run", write(tmp_path, GOOD), "--run-dir", run_dir)
+        assert result.exit_code == 3 and "held by another live supervisor" in result.stderr, result.output
+    assert not (run_dir / "nodes").exists()

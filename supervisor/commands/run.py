@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
@@ -19,6 +20,27 @@ from supervisor.errors import ConfigError, UsageError
 from supervisor.fsutil import write_problem
 from supervisor.layout import RunLayout, inside
 from supervisor.lock import RootClaim, RunLock
+
+OWN_PACKAGES = ("supervisor", "train_entry")
+
+
+def check_cwd() -> None:
+    """The current folder is where torchrun's `-m` processes (resilient's own helpers among them) import from first:
+    a folder that is gone, or one holding a module named like one of resilient's packages, which every helper and
+    rank would import in place of it (a run that failed as a `config` error on every attempt), is refused."""
+    try:
+        cwd = Path(os.getcwd())
+    except OSError as e:
+        raise ConfigError(f"the current folder cannot be read ({e.strerror}): it was deleted or moved; cd into an "
+                          "existing folder and run again.") from None
+    installed = Path(__file__).resolve().parents[2]  # where both packages are (site-packages, or the checkout)
+    for name in OWN_PACKAGES:
+        ours = installed / name
+        for shadow in (cwd / name, cwd / f"{name}.py"):
+            if shadow.exists() and shadow.resolve() != ours:
+                raise ConfigError(f"{shadow} shadows resilient's own `{name}` package: every process of the run "
+                                  f"starts in {cwd} and would import it instead; run from another folder (the job "
+                                  "file and --run-dir may stay where they are).")
 
 
 def check_entrypoint(cfg: JobConfig) -> None:
@@ -122,11 +144,15 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     from supervisor.supervise import Supervisor
 
     cfg = load_job(job, overrides)
+    check_cwd()
     check_entrypoint(cfg)
     layout = RunLayout(cfg.run_dir, node_name(cfg, node))
     check_writable(cfg, layout)
     local = cfg.checkpoint.local_root(layout.node_name)
-    with RunLock(layout.node_dir), RootClaim(cfg.checkpoint.dir, cfg.run_dir), \
+    # A single-node job given a node name (--node, RESILIENT_NODE) holds the run dir too: another one there, named
+    # or not, would be a second job writing the same checkpoints, not a second node of this one.
+    whole_run = RunLock(layout.run_dir) if cfg.nnodes == "1" and layout.node_dir != layout.run_dir else None
+    with whole_run or contextlib.nullcontext(), RunLock(layout.node_dir), RootClaim(cfg.checkpoint.dir, cfg.run_dir), \
             RootClaim(local, cfg.run_dir) if local is not None else contextlib.nullcontext():
         console = EventConsole(cfg.name)
         if not inside(cfg.checkpoint.dir, cfg.run_dir):
