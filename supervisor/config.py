@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from supervisor.errors import ConfigError
+from supervisor.layout import inside
 
 NAME_RE = re.compile(r"^(?!\.+$)[A-Za-z0-9._-]{1,100}$")  # a file name (not . or ..) and a rendezvous id
 MAX_DURATION_S = 1e9  # ~32 years, "never" in practice; beyond it what takes a timeout overflows (Event.wait, C++ ms)
@@ -102,7 +103,7 @@ class CheckpointConfig:
     def local_root(self, node: str) -> Path | None:
         """This node's local tier, `{node}` filled in."""
         root = None if self.local_dir is None else Path(str(self.local_dir).replace("{node}", node))
-        if root is not None and (root == self.dir or self.dir in root.parents or root in self.dir.parents):
+        if root is not None and (inside(root, self.dir) or inside(self.dir, root)):
             # The job file's check sees `{node}` unfilled: this node's name may still bring the two together.
             raise ConfigError(f"checkpoint.local_dir {str(self.local_dir)!r} is {root} on node {node!r}, which is "
                               f"not apart from checkpoint.dir ({self.dir}): the local tier is copied into the "
@@ -674,7 +675,7 @@ def build_job(root: _Loc, path: Path) -> JobConfig:
     local_dir = resolve(ck["local_dir"]) if ck.get("local_dir") else None
     ck_fields = {k: v for k, v in ck.items() if k not in ("dir", "async", "local_dir")}
     checkpoint = CheckpointConfig(dir=ck_dir, async_save=ck.get("async", True), local_dir=local_dir, **ck_fields)
-    if local_dir is not None and (local_dir == ck_dir or ck_dir in local_dir.parents or local_dir in ck_dir.parents):
+    if local_dir is not None and (inside(local_dir, ck_dir) or inside(ck_dir, local_dir)):
         where = _where(root, "checkpoint.local_dir")
         raise ConfigError(f"{where}: checkpoint.local_dir must be apart from checkpoint.dir ({ck_dir}): the local "
                           "tier is copied into the durable one.")

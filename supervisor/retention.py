@@ -15,7 +15,7 @@ import shutil
 import stat
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from supervisor import store
@@ -118,7 +118,6 @@ class Applied:
 
     removed: list[Removal]
     failed: list[tuple[Removal, str]]  # with the reason, e.g. "Read-only file system"
-    gone: list[Removal] = field(default_factory=list)  # already gone when its turn came: removed by someone else
 
     @property
     def freed_bytes(self) -> int:
@@ -188,13 +187,10 @@ def apply(p: Plan, *, spare_bytes: int = 0) -> Applied:
     over (a local tier, while its run goes on: store.keep_spare)."""
     removed: list[Removal] = []
     failed: list[tuple[Removal, str]] = []
-    gone: list[Removal] = []
     for r in sorted(p.remove, key=lambda r: r.why.startswith("older than")):
         why = _remove(r, spare_bytes)
         if why is None:
             removed.append(r)
-        elif why is GONE:
-            gone.append(r)
-        else:
+        elif why is not GONE:  # gone already: someone else's removal, not reported as ours
             failed.append((r, why))
-    return Applied(removed, failed, gone)
+    return Applied(removed, failed)

@@ -270,15 +270,6 @@ def writer_versions() -> dict[str, str]:
 # Writing
 
 
-def writer_text(pid: int) -> str:
-    """What a live or unverifiable writer (writer_alive's answer) means, in words."""
-    if pid > 0:
-        return f"save in progress (writer pid {pid} is alive)"
-    if pid == UNCHECKABLE:
-        return "its writer lock cannot be checked (no permission, or not a file): taken as a save in progress"
-    return "save or copy in progress (its writer holds the lock)"  # e.g. a replicator's copy
-
-
 def describe_files(folder: str | os.PathLike, names: Iterable[str], algorithm: str = CHECKSUM_ALGORITHM,
                    known: dict[str, str] | None = None) -> list[FileRecord]:
     """Size and checksum of `names` in `folder`: what each rank reports for the files it wrote.
@@ -325,6 +316,15 @@ def writer_alive(partial: str | os.PathLike) -> int | None:
             return HELD
     finally:
         os.close(fd)
+
+
+def writer_text(pid: int) -> str:
+    """What a live or unverifiable writer (writer_alive's answer) means, in words."""
+    if pid > 0:
+        return f"save in progress (writer pid {pid} is alive)"
+    if pid == UNCHECKABLE:
+        return "its writer lock cannot be checked (no permission, or not a file): taken as a save in progress"
+    return "save or copy in progress (its writer holds the lock)"  # e.g. a replicator's copy
 
 
 class PartialCheckpoint:

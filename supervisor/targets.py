@@ -34,8 +34,8 @@ class Target:
 
     def root_note(self) -> str | None:
         """The sentence that names a checkpoint root outside the run dir or reached through a link, or None."""
-        link = f" (a link to {self.root_link})" if self.root_link is not None and self.checkpoint_root.is_symlink() \
-            else ""
+        real = self.root_link
+        link = f" (a link to {real})" if real is not None and self.checkpoint_root.is_symlink() else ""
         if not self.root_outside:
             return f"checkpoint root {self.checkpoint_root}{link}" if link else None
         return f"checkpoint root {self.checkpoint_root}{link} (outside the run dir {self.run_dir}, as its job " \

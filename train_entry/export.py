@@ -31,6 +31,11 @@ def load_whole(checkpoint: str | Path) -> dict[str, Any]:
     return sd
 
 
+def _first_line(e: BaseException) -> str:
+    """An exception's message in one sentence's room: torch's run to pages."""
+    return (str(e).splitlines() or [repr(e)])[0][:200]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train_entry.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,9 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         whole = load_whole(args.checkpoint)
     except Exception as e:  # a checkpoint whose bytes check yet do not load (DCP's own error, wrapped)
-        first = (str(e).splitlines() or [""])[0][:200]
-        print(f"{args.checkpoint}: cannot be read whole ({e.__class__.__name__}: {first}); nothing was exported.",
-              file=sys.stderr)
+        print(f"{args.checkpoint}: cannot be read whole ({e.__class__.__name__}: {_first_line(e)}); nothing was "
+              "exported.", file=sys.stderr)
         return 1
     tmp = f"{args.out}.{os.getpid()}.tmp"  # a full disk leaves no half-written file under the name asked for
     try:
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, RuntimeError) as e:  # torch's writer reports a short write as RuntimeError
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else e
+        why = e.strerror if isinstance(e, OSError) and e.strerror else _first_line(e)
         print(f"{args.out}: cannot be written ({why}); nothing was exported.", file=sys.stderr)
         return 1
     print(f"{args.out}: step {info.step}, {info.size_bytes / 1e6:.1f} MB of shards from {info.world_size} rank(s)")

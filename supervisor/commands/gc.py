@@ -97,9 +97,10 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local
     t = targets.resolve(target)
     root = t.existing_root()
     # The folder comes first, before anything is deleted: a copied run dir may share an outside root.
-    note = t.root_note() or f"checkpoint root {t.checkpoint_root}"
+    named = t.root_note()  # outside the run dir, or reached through a link: said under --json too
+    note = named or f"checkpoint root {t.checkpoint_root}"
     if as_json:
-        if t.root_note() is not None:
+        if named is not None:
             render.err.print(f"resilient: {note}", markup=False, soft_wrap=True)
     else:
         render.out.print(note, markup=False, soft_wrap=True)
