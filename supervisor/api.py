@@ -57,6 +57,8 @@ class AttemptOutcome:
     log_hint: str | None = None  # the file to look at first
     checkpoint_step: int | None = None  # CHECKPOINT_LOAD: the checkpoint the ranks failed to load
     checkpoint_tier: str | None = None  # ... and from which tier ("local" or "durable")
+    stalled: tuple[float, float] | None = None  # HANG: (last sign of progress, detection), wall clock
+    unsaved_end: bool = False  # FINISHED without session.finish(): the steps after the last checkpoint unsaved
 
     @property
     def retryable(self) -> bool:

@@ -20,13 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from supervisor import api, classify, evidence, ranklogs, store
+from supervisor import api, classify, evidence, ranklogs, rdzv, store
 from supervisor.api import AttemptOutcome, AttemptSpec
 from supervisor.config import JobConfig
 from supervisor.console import EventConsole
 from supervisor.protocol import CommitRecord, Handover, Heartbeat, LogRecord, StepLogReader, read_heartbeats
 from supervisor.state import AttemptRecord, RunRecord
-from supervisor.watch import SILENT, STALL_FLOOR_BEATS, Hang, RankWatch
+from supervisor.watch import NO_HEARTBEAT, SILENT, STALL_FLOOR_BEATS, Hang, RankWatch
 
 log = logging.getLogger("resilient")
 
@@ -43,8 +43,10 @@ class AttemptHandle(Protocol):
     """What an attempt needs from a launched torchrun (TorchrunProcess, or a fake in unit tests)."""
 
     log_path: Path
+    pid: int
 
     def wait(self, timeout: float) -> int | None: ...
+    def workers(self) -> list[int]: ...
     def track(self, extra_pids: Any = ()) -> None: ...
     def signal_group(self, sig: int) -> None: ...
     def signal_ranks(self, sig: int) -> None: ...
@@ -155,11 +157,14 @@ class Attempt:
             if self.listener.stop_signal() is not None:
                 return self._stop(handle, heartbeats, None)
             hangs = watch.hangs(now)
+            if hangs and hangs[0].kind == NO_HEARTBEAT and hangs[0].rank is None and self.cfg.rdzv.endpoint \
+                    and not handle.workers():  # standalone, torchrun has no rendezvous to wait in: a hang
+                return self._no_group(handle, hangs[0])
             if hangs:
                 return self._hang(handle, hangs, heartbeats)
             self.listener.on_tick()
 
-    # ---- the three endings --------------------------------------------------------------------------
+    # ---- the endings -------------------------------------------------------------------------------
 
     def _take_over(self, failed: Heartbeat, handle: AttemptHandle, heartbeats: dict[int, Heartbeat],
                    watch: RankWatch, oom_before: int | None, now: float) -> AttemptOutcome:
@@ -171,7 +176,7 @@ class Attempt:
         silent = self._silent_ranks(watch, heartbeats, failed.rank)
         stuck = [Hang(r, SILENT, age, heartbeats[r].step, heartbeats[r].phase) for age, r in silent]
         if stuck:
-            self._capture(stuck, heartbeats)
+            self._capture(handle, stuck, heartbeats)
         handle.stop(grace_s=HANG_STOP_GRACE_S)
         return self._ended(1, handle, heartbeats, watch, oom_before, silent)  # a worker failure, as torchrun says
 
@@ -199,18 +204,36 @@ class Attempt:
         first = hangs[0]
         self.console.event(f"attempt {self.spec.attempt}: hang — {first.describe()}; capturing stacks before "
                            "stopping", style="red")
-        out = self._capture(hangs, heartbeats)
+        detected = time.time()
+        out = self._capture(handle, hangs, heartbeats)
         handle.stop(grace_s=HANG_STOP_GRACE_S)
         step = max((hb.step for hb in heartbeats.values()), default=None)
-        return AttemptOutcome(api.HANG, first.describe(), first.rank, None, step, str(out))
+        return AttemptOutcome(api.HANG, first.describe(), first.rank, None, step, str(out),
+                              stalled=(detected - first.for_s, detected))
 
-    def _capture(self, hangs: list[Any], heartbeats: dict[int, Heartbeat]) -> Path:
+    def _no_group(self, handle: AttemptHandle, first: Hang) -> AttemptOutcome:
+        """No rank ever beat and torchrun has no workers: it is still in its rendezvous, which is no hang of a
+        rank. Say what holds the endpoint (a foreign program on the port makes torchrun wait forever)."""
+        detail = (f"torchrun started no workers in {first.for_s:.0f}s: "
+                  f"{rdzv.stalled(self.cfg.rdzv.endpoint, {handle.pid})}")
+        self.console.event(f"attempt {self.spec.attempt}: torchrun started no workers in {first.for_s:.0f}s; "
+                           "stopping it", style="red")
+        handle.stop(grace_s=HANG_STOP_GRACE_S)
+        return AttemptOutcome(api.RENDEZVOUS, detail, log_hint=str(handle.log_path))
+
+    def _capture(self, handle: AttemptHandle, hangs: list[Any], heartbeats: dict[int, Heartbeat]) -> Path:
         """The hung ranks' stacks and kernel state, before anything is stopped; returns the evidence file."""
         out = self.spec.logs_dir / "hang_evidence.json"
+        beating = {hb.pid for hb in heartbeats.values()}
+        unheard = [pid for pid in handle.workers() if pid not in beating] \
+            if any(h.kind == NO_HEARTBEAT for h in hangs) else []
         doc = evidence.capture(hangs, heartbeats, rank_stderr_paths(self.spec, heartbeats), out,
-                               run_dir=self.cfg.run_dir)
+                               run_dir=self.cfg.run_dir, unheard=unheard, local_stderr=local_stderr_paths(self.spec),
+                               launcher=handle.pid if not heartbeats and not unheard else None)
         dumped = [r["rank"] for r in doc["ranks"] if r.get("stack_dump")]
-        self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'})")
+        unheard_n = len(doc.get("workers_without_heartbeat", []))
+        also = f"; the state of {unheard_n} worker(s) that never beat" if unheard_n else ""
+        self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'}{also})")
         return out
 
     def _stop(self, handle: AttemptHandle, heartbeats: dict[int, Heartbeat], rc: int | None) -> AttemptOutcome:
@@ -374,10 +397,15 @@ def rank_stderr_paths(spec: AttemptSpec, heartbeats: dict[int, Heartbeat]) -> di
     for rank, hb in heartbeats.items():
         if hb.log_dir:
             paths[rank] = Path(hb.log_dir) / "stderr.log"
-    for p in (spec.logs_dir / "ranks").glob("*/attempt_*/*/stderr.log"):
-        local = int(p.parent.name)
+    for local, p in local_stderr_paths(spec).items():
         paths.setdefault(local, p)  # single node: local rank == rank for ranks that never beat
     return paths
+
+
+def local_stderr_paths(spec: AttemptSpec) -> dict[int, Path]:
+    """Each local rank's stderr log, from torchrun's per-rank folders."""
+    return {int(p.parent.name): p for p in (spec.logs_dir / "ranks").glob("*/attempt_*/*/stderr.log")
+            if p.parent.name.isdigit()}
 
 
 def _pid_alive(pid: int) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from supervisor import api
 from supervisor.api import AttemptOutcome
-from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_CONFIG, EXIT_NAN, EXIT_PREEMPTED, Heartbeat
+from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_CONFIG, EXIT_NAN, EXIT_PREEMPTED, NO_FINISH, Heartbeat
 
 _BLOCK = re.compile(
     r"rank\s*:\s*(?P<rank>-?\d+)\s*\(local_rank:\s*(?P<local>\d+)\)\s*\n"
@@ -125,6 +125,10 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
     rank_log = rank_log or {}
     step = max((hb.step for hb in heartbeats.values()), default=None)
     if rc == 0:
+        if any(hb.exit_reason == NO_FINISH for hb in heartbeats.values()):
+            return AttemptOutcome(api.FINISHED, f"the ranks exited 0 without session.finish() at step {step}: the "
+                                  "steps after the last checkpoint were not saved (call finish(step, state) at the "
+                                  "end of the script)", exit_code=0, step=step, unsaved_end=True)
         return AttemptOutcome(api.FINISHED, "all ranks finished", exit_code=0, step=step)
     root, failures = parse_summary(torchrun_output)
     # A rank that ended on its own said why in its last heartbeat; the first such exit is the cause.

@@ -7,12 +7,16 @@ step log of the node's local rank 0):
     train     first step → last step; of which
       blocking    training blocked by checkpoint saves
       lost        steps re-executed later: those beyond the step the next attempt resumed from
+      stalled     a detected hang, from the hung rank's last sign of progress to its detection, where steps
+                  the ranks ran after it (a hang stop continues them to checkpoint) put it inside training
     tail      last step → end of the attempt (the final or stop checkpoint and exit; or detecting a failure
               and stopping the processes)
     down      end of an attempt → launch of the next (classifying, backoff)
 
-useful = train − lost − blocking (of the kept steps); goodput = useful / wall, where wall is the time a
-supervisor was running (summed over `resilient run` invocations: time with no supervisor is not charged).
+useful = train − lost − blocking (of the kept steps) − stalled; goodput = useful / wall, where wall is the time
+a supervisor was running (summed over `resilient run` invocations: time with no supervisor is not charged).
+Startup, useful, blocking, stalled, lost, tail and down do not overlap: they add up to the wall time but for
+the supervisor's own start and finish.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class AttemptAccount:
     lost_blocking_s: float = 0.0
     finalized: bool = False
     relaunch: bool = False  # launched by the supervisor that saw the previous attempt end (not a later rerun)
+    stall_since: float | None = None  # a detected hang: the hung rank's last sign of progress
+    stall_until: float | None = None  # ... and its detection
 
     @property
     def train_s(self) -> float:
@@ -60,11 +66,25 @@ class AttemptAccount:
         return max(0.0, self.ended_at - (self.last_step_at if self.last_step_at is not None else self.ended_at))
 
     @property
-    def useful_s(self) -> float:
-        # A save of the last step (the final or a stop save) blocks after training ended: it is in the tail.
+    def blocking_inside_s(self) -> float:
+        """Blocking by saves of the kept steps while training: a save of the last step (the final or a stop
+        save) blocks after training ended, in the tail; the blocking of lost steps is in `lost_s`."""
         after_last = self.blocking_by_step.get(str(self.last_step), 0.0) if self.last_step is not None else 0.0
-        inside = self.blocking_s - self.lost_blocking_s - (after_last if after_last and not self.lost_steps else 0.0)
-        return max(0.0, self.train_s - self.lost_s - inside)
+        return max(0.0, self.blocking_s - self.lost_blocking_s - (after_last if not self.lost_steps else 0.0))
+
+    @property
+    def stalled_s(self) -> float:
+        """The part of a detected hang inside the kept training (after the last step it is in the tail, and
+        among lost steps in `lost_s`)."""
+        if self.stall_since is None or self.stall_until is None or self.first_step_at is None \
+                or self.last_step_at is None:
+            return 0.0
+        kept_until = self.last_step_at - self.lost_s
+        return max(0.0, min(self.stall_until, kept_until) - max(self.stall_since, self.first_step_at))
+
+    @property
+    def useful_s(self) -> float:
+        return max(0.0, self.train_s - self.lost_s - self.blocking_inside_s - self.stalled_s)
 
 
 @dataclass
@@ -135,6 +155,17 @@ class Accounting:
     def end(self, t: float) -> None:
         self.attempts[-1].ended_at = t
 
+    def stalled(self, since: float, until: float) -> None:
+        """The current attempt hung from `since` (its last progress) until it was detected at `until`."""
+        a = self.attempts[-1]
+        a.stall_since, a.stall_until = since, until
+
+    def settle(self, newest_valid: int | None) -> None:
+        """The run ends here (stopped, failed): what a rerun will redo, beyond the newest valid checkpoint, is
+        lost now. A rerun's launch charges again from where it really resumes."""
+        if self.attempts:
+            self._charge_back(self.attempts, newest_valid)
+
     def finalize(self, a: AttemptAccount, resume_step: int | None) -> None:
         """Charge the work of attempt `a` that the next attempt (resuming from `resume_step`) redoes."""
         if a.finalized:
@@ -171,7 +202,8 @@ class Accounting:
             "useful_s": useful,
             "startup_s": sum(a.startup_s for a in self.attempts),
             "train_s": sum(a.train_s for a in self.attempts),
-            "checkpoint_blocking_s": sum(a.blocking_s for a in self.attempts),
+            "checkpoint_blocking_s": sum(a.blocking_inside_s for a in self.attempts),
+            "stalled_s": sum(a.stalled_s for a in self.attempts),
             "lost_steps": sum(a.lost_steps for a in self.attempts),
             "lost_s": sum(a.lost_s for a in self.attempts),
             "tail_s": sum(a.tail_s for a in self.attempts),
@@ -194,4 +226,6 @@ class Accounting:
         wall = float(d.get("wall_before_s", 0.0))
         if d.get("session_started") is not None and last_seen is not None:
             wall += max(0.0, last_seen - float(d["session_started"]))
+            if attempts and attempts[-1].ended_at is None:  # its supervisor died during it: ended when last seen
+                attempts[-1].ended_at = max(last_seen, attempts[-1].last_step_at or last_seen)
         return cls(attempts, wall, None, float(d.get("down_s", 0.0)))

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 MIN_OBSERVED_S = 10.0
 COLD_START_STEPS = 50  # until a save and some steps have been measured
+SETTLED_COSTS = 3  # a measured interval moves again only on the median of this many save costs
+KEPT_STEP_TIMES = 100  # step times a supervisor restart carries over (state.json)
 
 
 def young_daly(save_cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
@@ -123,6 +125,28 @@ class IntervalTuner:
         base = self.step_s
         slowdown = sum(max(0.0, d - base) for d in during) if base is not None else 0.0
         self.costs.append(blocking + slowdown)
+
+    # ---- across supervisor restarts -------------------------------------------------------------------
+
+    def memory(self) -> dict[str, list[float]]:
+        """What was measured, for the next supervisor of the run (it started from nothing and the interval
+        flapped on the median of one or two saves)."""
+        return {"step_dts": [round(v, 6) for v in list(self.step_dts)[-KEPT_STEP_TIMES:]],
+                "costs": [round(v, 6) for v in self.costs], "persist": [round(v, 6) for v in self.persist]}
+
+    def restore(self, memory: object) -> None:
+        """Take back a `memory()`; what is not a finite, non-negative duration is left out."""
+        if not isinstance(memory, dict):
+            return
+        for key, into in (("step_dts", self.step_dts), ("costs", self.costs), ("persist", self.persist)):
+            values = memory.get(key)
+            if isinstance(values, list):
+                into.extend(float(v) for v in values
+                            if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6)
+
+    @property
+    def settled(self) -> bool:
+        return len(self.costs) >= SETTLED_COSTS
 
     # ---- estimates -----------------------------------------------------------------------------------
 

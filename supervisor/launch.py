@@ -139,6 +139,19 @@ class TorchrunProcess:
         except subprocess.TimeoutExpired:
             return None
 
+    def workers(self) -> list[int]:
+        """torchrun's live children (its workers, or their prewarm clients): none while it is in the rendezvous."""
+        try:
+            children = psutil.Process(self.pid).children()
+        except psutil.Error:
+            return []
+        alive = []
+        for p in children:
+            with contextlib.suppress(psutil.Error):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p.pid)
+        return alive
+
     def poll(self) -> int | None:
         return self.popen.poll()
 

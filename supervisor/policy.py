@@ -51,7 +51,8 @@ class RestartPolicy:
             self.rendezvous_since = now
         waited = now - self.rendezvous_since
         if waited > self.rendezvous_s:
-            return self._stop(f"the group could not be formed for {waited:.0f}s: {outcome.detail}")
+            return self._stop(f"the group could not be formed, retried for {waited:.0f}s after the first failure: "
+                              f"{outcome.detail}")
         wait = min(2.0, self.cfg.max_backoff_s)
         return Decision(True, wait_s=wait, counts_as_restart=False,
                         message=f"rendezvous retry in {wait:.1f}s ({waited:.0f}s of {self.rendezvous_s:.0f}s)")

@@ -29,6 +29,7 @@ attempt starts its workers normally while the server is importing (they would no
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import importlib
 import json
@@ -285,6 +286,8 @@ def _become_worker(conn: socket.socket, req: dict, fds: list[int]) -> NoReturn:
         launcher = req.get("role") == LAUNCHER
         if launcher:  # SIGUSR1 asks ranks for stack dumps (Slurm sends it to every process): not torchrun's
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        else:  # a rank dumps its stacks from birth: one stuck before its entry point beats can be seen too
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])

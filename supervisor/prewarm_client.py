@@ -21,7 +21,7 @@ import sys
 from typing import NoReturn
 
 ENV_SOCKET = "RESILIENT_PREWARM_SOCKET"
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR2)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def main(argv: list[str]) -> NoReturn:

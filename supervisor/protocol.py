@@ -134,6 +134,9 @@ def heartbeat_path(folder: str | os.PathLike, rank: int) -> Path:
     return Path(folder) / f"rank_{rank}.json"
 
 
+NO_FINISH = "exited without finish()"  # a rank's last exit_reason: its script ended without Session.finish
+
+
 @dataclass
 class Heartbeat:
     """One rank's latest word. `seq` grows with every write, so a reader can tell a fresh beat from an old
@@ -289,6 +292,22 @@ def read_step_log(path: str | os.PathLike) -> list[LogRecord]:
 # ---------------------------------------------------------------------------------------------------
 # The control file: the supervisor's running instructions to rank 0 (for now: the checkpoint interval
 # chosen by "auto"). Rank 0 reads it at most once per heartbeat interval and broadcasts the value.
+
+
+def last_logged_step(path: str | os.PathLike, window: int = 65536) -> int | None:
+    """The last step a step log records, from its tail (a long run's log holds millions of lines)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - window))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        rec = parse_step_line(line)
+        if isinstance(rec, StepRecord):
+            return rec.step
+    return None
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,15 @@ from supervisor.goodput import Accounting
 from supervisor.interval import IntervalTuner
 from supervisor.layout import RunLayout, recorded, state_files
 from supervisor.policy import LoadFailure, RestartPolicy
-from supervisor.protocol import CommitRecord, Control, Handover, SaveRecord, StepRecord, write_control
+from supervisor.protocol import (
+    CommitRecord,
+    Control,
+    Handover,
+    SaveRecord,
+    StepRecord,
+    last_logged_step,
+    write_control,
+)
 from supervisor.rdzv import Generations, run_id
 from supervisor.replicate import Replicator
 from supervisor.state import AttemptRecord, RunRecord, RunState
@@ -45,8 +53,9 @@ NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})  # a run dir that
 REPLICATION_DRAIN_S = 600.0  # a finished run waits this long at most for its last durable copies
 
 
-def choose_resume(root: Any, verify: str, below: int | None = None) -> ResumeChoice:
-    """The newest valid checkpoint (strictly below `below` if given), and why newer folders were skipped."""
+def choose_resume(root: Any, verify: str, below: int | None = None, below_why: str | None = None) -> ResumeChoice:
+    """The newest valid checkpoint (strictly below `below` if given, for `below_why`), and why newer folders were
+    skipped."""
     skipped: list[tuple[str, str]] = []
     corrupt: list[store.CheckpointInfo] = []
     if not root.is_dir():
@@ -55,7 +64,8 @@ def choose_resume(root: Any, verify: str, below: int | None = None) -> ResumeCho
         info = store.inspect(path, deep=verify == "checksum" and not path.name.endswith(store.PARTIAL_SUFFIX))
         if below is not None and info.step >= below:
             if info.valid:
-                skipped.append((path.name, f"rolled back past it (a non-finite loss followed step {below})"))
+                skipped.append((path.name, below_why or f"rolled back past it (a non-finite loss followed step "
+                                                        f"{below})"))
             continue
         if info.valid:
             return ResumeChoice(info.step, info.path, skipped, corrupt)
@@ -82,6 +92,9 @@ class Supervisor:
         ck = cfg.checkpoint
         self.tuner = (IntervalTuner(ck.expected_mtbf_s, ck.min_interval_steps, ck.max_interval_steps)
                       if ck.auto else None)
+        if self.tuner is not None:  # what the run's earlier supervisors measured
+            self.tuner.restore(self.record.accounting.get("tuner"))
+        self._measured_interval = False  # the interval in force came from measurements (not the cold start)
         self.control_file = layout.node_dir / "control.json"
         # Several nodes: each formation of the group gets its own rendezvous run id (supervisor/rdzv.py).
         self.generations = Generations(cfg.run_dir) if cfg.rdzv.endpoint is not None else None
@@ -151,10 +164,14 @@ class Supervisor:
     def _loop(self) -> int:
         self._start_interval()
         below: int | None = None
+        first = True
         while True:
             if self._stop_signal is not None:
                 return self._stopped(None)
             choice = self._choose(below)
+            if first:  # after the choice has set aside what it found corrupt: never trim good ones for those
+                self._retain_at_start(choice.step)
+                first = False
             spec = self._next_spec(choice)
             try:
                 outcome = self._run_attempt(spec, choice)
@@ -176,20 +193,48 @@ class Supervisor:
 
     # ---- before an attempt ------------------------------------------------------------------------
 
+    def _retain_at_start(self, chosen: int | None) -> None:
+        """Checkpoints committed while no supervisor ran (the ranks of a killed one checkpoint and stop) were
+        never trimmed: apply `keep` once before the first launch, to the chosen checkpoint and older ones (a newer
+        folder the choice passed over, unreadable to its full check, may look whole to retention's size check).
+        One node, one tier only: with several, the node whose rank 0 commits trims (others may be loading), and
+        the replicator keeps a local tier's."""
+        if self.cfg.nnodes != "1" or self.replicator is not None or chosen is None:
+            return
+        done = self._keep(lambda info: info.step <= chosen)
+        if done is None:
+            return
+        if done.removed:
+            self.console.event("removed " + ", ".join(r.path.name for r in done.removed) + f" (keep "
+                               f"{self.cfg.checkpoint.keep}: committed while no supervisor was running)")
+        for r, why in done.failed:
+            self.console.event(f"could not remove {r.path.name}: {why}", style="yellow")
+
+    def _keep(self, among: Callable[[store.CheckpointInfo], bool] = lambda info: True) -> Any:
+        """Apply `keep` to the durable root's checkpoints `among` (all by default): what was really removed and
+        what resisted (a read-only mount), or None when nothing was to go."""
+        root = self.cfg.checkpoint.dir
+        plan = retention.plan(root, [i for i in store.scan(root) if among(i)], self.cfg.checkpoint.keep,
+                              owner_alive=True)
+        return retention.apply(plan) if plan.remove else None
+
     def _choose(self, below: int | None) -> ResumeChoice:
         """The newest valid checkpoint; a committed one found corrupt on the way is set aside for good (a
         rerun must not trip over it again), the older ones are left to retention."""
+        why = None
         if self._suspect is not None:
             below = min(below, self._suspect[0]) if below is not None else self._suspect[0]
-        choice = self._choose_in(self.cfg.checkpoint.dir, below)
+            if below == self._suspect[0]:
+                why = f"passed over: {self._suspect[1]}"
+        choice = self._choose_in(self.cfg.checkpoint.dir, below, why)
         if self.local_root is not None:  # the node's local tier: the ranks take it if every node has the step
-            local = self._choose_in(self.local_root, below)
+            local = self._choose_in(self.local_root, below, why)
             self._local_step = local.step
             choice.skipped += [(f"local {n}", w) for n, w in local.skipped]
         return choice
 
-    def _choose_in(self, root: Any, below: int | None) -> ResumeChoice:
-        choice = choose_resume(root, self.cfg.checkpoint.verify, below)
+    def _choose_in(self, root: Any, below: int | None, below_why: str | None = None) -> ResumeChoice:
+        choice = choose_resume(root, self.cfg.checkpoint.verify, below, below_why)
         for info in choice.corrupt:
             moved = self._quarantine(info.path, f"{info.reason} (found before attempt "
                                                 f"{self._next_attempt_number()})")
@@ -254,6 +299,7 @@ class Supervisor:
                             skipped=[f"{n}: {w}" for n, w in choice.skipped] or None)
         self.accounting.launch(spec.attempt, rec.started_at, choice.step)
         self._sync_lost_steps()
+        self.record.restarts = self._restarts_before + self.policy.restarts  # counted once it happens
         self.record.history.append(rec)
         self.record.attempt = spec.attempt
         self._transition(RunState.RUNNING)
@@ -265,6 +311,8 @@ class Supervisor:
     def _end_attempt(self, rec: AttemptRecord, outcome: AttemptOutcome) -> None:
         rec.ended_at = time.time()
         self.accounting.end(rec.ended_at)
+        if outcome.stalled is not None:  # steps run after a hang's detection leave its stall inside training
+            self.accounting.stalled(*outcome.stalled)
         # The step log is the group's progress: rank 0 appends each step it completed, at once. Heartbeats
         # lag it by a beat, and can also lead it: a peer may finish step N+1 after rank 0 died inside it.
         logged = self.accounting.attempts[-1].last_step
@@ -272,8 +320,7 @@ class Supervisor:
             outcome.step = self.record.step = logged
         rec.reason, rec.detail, rec.failed_rank = outcome.reason, outcome.detail, outcome.failed_rank
         rec.exit_code, rec.step_at_failure = outcome.exit_code, None if outcome.reason == api.FINISHED else outcome.step
-        newest = max((i.step for i in (store.latest_valid(self.cfg.checkpoint.dir), self._newest_local())
-                      if i is not None), default=None)  # authoritative, even if the step log lagged
+        newest = self._newest_step()  # authoritative, even if the step log lagged
         self.record.last_checkpoint_step = rec.last_checkpoint_step = newest
         self.save_state()
         if outcome.reason not in (api.FINISHED, api.STOPPED):
@@ -335,14 +382,11 @@ class Supervisor:
                                    f"{commit.bytes / 1e6:.1f} MB in {commit.persist_s:.2f}s)")
             self.save_state()
             return
-        if mine:
-            plan = retention.plan(self.cfg.checkpoint.dir, store.scan(self.cfg.checkpoint.dir),
-                                  self.cfg.checkpoint.keep, owner_alive=True)
-            if plan.remove:
-                done = retention.apply(plan)  # what was really removed: a folder may resist (a read-only mount)
-                if done.removed:
-                    removed = "; removed " + ", ".join(r.path.name for r in done.removed)
-                removed += "".join(f"; could not remove {r.path.name}: {why}" for r, why in done.failed)
+        done = self._keep() if mine else None
+        if done is not None:
+            if done.removed:
+                removed = "; removed " + ", ".join(r.path.name for r in done.removed)
+            removed += "".join(f"; could not remove {r.path.name}: {why}" for r, why in done.failed)
         blocked = self._blocking.pop(commit.step, None)
         how = f"training blocked {blocked:.3f}s, " if blocked is not None else ""
         found = " (committed by rank 0 on another node)" if self.cfg.nnodes != "1" else " (found on disk)"
@@ -390,6 +434,11 @@ class Supervisor:
     def _newest_local(self) -> store.CheckpointInfo | None:
         return store.latest_valid(self.local_root) if self.local_root is not None else None
 
+    def _newest_step(self) -> int | None:
+        """The newest valid checkpoint in either tier."""
+        return max((i.step for i in (store.latest_valid(self.cfg.checkpoint.dir), self._newest_local())
+                    if i is not None), default=None)
+
     def _next_generation(self, outcome: AttemptOutcome) -> None:
         """torchrun closed the rendezvous it formed (or found it closed): relaunch in the next one. A launch
         that never got that far (the store unreachable) retries the same generation."""
@@ -420,7 +469,6 @@ class Supervisor:
     def _before_relaunch(self, decision: Decision) -> int | None:
         """Set aside what the decision says, wait the backoff; returns the step to resume below, if any."""
         self._set_aside(decision)
-        self.record.restarts = self._restarts_before + self.policy.restarts
         self._transition(RunState.RESTARTING)
         if decision.resume_below is not None and not decision.quarantine_once_older_loads:
             self.console.event(f"rolling back: resuming below step {decision.resume_below} once", style="yellow")
@@ -453,6 +501,9 @@ class Supervisor:
     # ---- endings ----------------------------------------------------------------------------------
 
     def _finished(self, outcome: AttemptOutcome) -> int:
+        if outcome.unsaved_end:
+            self._settle()
+            self.console.event(outcome.detail, style="yellow")
         self._transition(RunState.SUCCEEDED)
         g = self.accounting.summary(time.time())
         self.console.event(f"finished at step {outcome.step} after {len(self.record.history)} attempt(s), "
@@ -460,7 +511,14 @@ class Supervisor:
                            f"{g['lost_steps']} steps lost", style="green")
         return ExitCode.OK
 
+    def _settle(self) -> None:
+        """The run ends without finishing: the steps beyond the newest valid checkpoint are lost (a rerun redoes
+        them), charged now rather than only by a rerun."""
+        self.accounting.settle(self._newest_step())
+        self._sync_lost_steps()
+
     def _stopped(self, outcome: AttemptOutcome | None) -> int:
+        self._settle()
         sig = self._stop_signal or signal.SIGTERM
         self.record.message = outcome.detail if outcome else f"stopped by {signal.Signals(sig).name}"
         self._transition(RunState.STOPPED)
@@ -475,6 +533,7 @@ class Supervisor:
         if last is not None and last.ended_at is None:
             last.ended_at, last.reason, last.detail = time.time(), api.LAUNCHER_DIED, f"could not launch: {why}"
             self.accounting.end(last.ended_at)
+        self._settle()
         self.record.message = (f"resilient stopped the run: the run dir cannot be written ({why}). Free space "
                                "there (or make it writable); `resilient run` again resumes from the newest "
                                "valid checkpoint.")
@@ -483,6 +542,7 @@ class Supervisor:
         return ExitCode.FAILED
 
     def _failed(self, why: str, outcome: AttemptOutcome, spec: AttemptSpec) -> int:
+        self._settle()
         newest = store.latest_valid(self.cfg.checkpoint.dir)
         look = outcome.log_hint or str(spec.logs_dir)
         rank_hint = f" (rank {outcome.failed_rank}'s stderr.log under it)" if outcome.failed_rank is not None else ""
@@ -524,6 +584,7 @@ class Supervisor:
             last = rec.history[-1] if rec.history else None
             if last is not None and last.ended_at is None:  # its supervisor died (kill -9, node lost)
                 last.ended_at = prev.updated_at
+                last.step_at_failure = last_logged_step(self.layout.step_log(last.attempt))
                 last.reason = api.SUPERVISOR_LOST
                 last.detail = f"the supervisor (pid {prev.supervisor.get('pid')}) died during this attempt"
             rec.accounting, rec.restarts = prev.accounting, prev.restarts
@@ -555,6 +616,8 @@ class Supervisor:
                     snap[key] = recorded(snap[key], self.cfg.run_dir)
                 self.record.replication = snap
             self.record.accounting = {"summary": summary, "ledger": self.accounting.to_dict()}
+            if self.tuner is not None:
+                self.record.accounting["tuner"] = self.tuner.memory()
             try:
                 state.write(self.layout.state_file, self.record)
             except OSError as e:  # a full disk must not end the supervision it is there to ride out
@@ -585,13 +648,21 @@ class Supervisor:
         """Re-evaluate the auto interval; tell rank 0 (control file) when it moves by 10 % and 2 steps or more
         (at a few steps, 10 % is less than one: it flapped between neighbours at every save)."""
         assert self.tuner is not None
-        failures = sum(1 for h in self.record.history if h.reason in api.RETRYABLE)
+        # A rendezvous that did not form lost no training: it is no failure of the job's hardware.
+        failures = sum(1 for h in self.record.history if h.reason in api.RETRYABLE and h.reason != api.RENDEZVOUS)
         costs = self.accounting.restart_costs()
         restart = sorted(costs)[len(costs) // 2] if costs else None
         choice = self.tuner.choose(self.accounting.summary(time.time())["wall_s"], failures, restart)
-        self.record.checkpoint_interval = choice.to_dict()
-        if self._interval is None or abs(choice.steps - self._interval) >= max(0.1 * self._interval, 2):
+        # The first measured choice is taken at once; after it, a move waits for a few save costs (the median of
+        # one or two flapped between them at every save).
+        may_move = not self._measured_interval or self.tuner.settled
+        if self._interval is None or (may_move and abs(choice.steps - self._interval) >= max(0.1 * self._interval, 2)):
             write_control(self.control_file, Control(choice.steps, choice.why))
             if self._interval is not None or choice.seconds is not None:
                 self.console.event(f"checkpoint interval {self._interval or '-'} → {choice.steps} steps ({choice.why})")
             self._interval = choice.steps
+            self._measured_interval = choice.seconds is not None
+        shown = choice.to_dict()  # `steps` is the interval in force; a choice not (yet) taken is shown beside
+        if shown["steps"] != self._interval:
+            shown.update(steps=self._interval, proposed_steps=choice.steps)
+        self.record.checkpoint_interval = shown

@@ -129,6 +129,7 @@ def summary_line(summary: dict[str, Any]) -> str:
     gp = summary.get("goodput")
     head = f"{gp:.1%}" if gp is not None else "-"
     return (f"{head} of {summary['wall_s']:.1f}s wall: useful {summary['useful_s']:.1f}s, startup "
-            f"{summary['startup_s']:.1f}s, checkpoint blocking {summary['checkpoint_blocking_s']:.2f}s, lost "
+            f"{summary['startup_s']:.1f}s, checkpoint blocking {summary['checkpoint_blocking_s']:.2f}s, "
+            f"{'hung ' + format(summary['stalled_s'], '.1f') + 's, ' if summary.get('stalled_s') else ''}lost "
             f"{summary['lost_steps']} steps ({summary['lost_s']:.1f}s), tail {summary['tail_s']:.1f}s, "
             f"down {summary['down_s']:.1f}s")

@@ -46,11 +46,15 @@ class Hang:
     for_s: float
     step: int | None
     phase: str | None
+    never_stepped: bool = False  # in `train` since its resume without reporting one step
 
     def describe(self) -> str:
         who = f"rank {self.rank}" if self.rank is not None else "no rank"
         if self.kind == SILENT:
             return f"{who} silent for {self.for_s:.0f}s in phase {self.phase} at step {self.step}"
+        if self.kind == NO_PROGRESS and self.never_stepped:
+            return (f"{who} reported no step in {self.for_s:.0f}s since it resumed at step {self.step} (a script of "
+                    "your own must call session.beat(step, loss) every step)")
         if self.kind == NO_PROGRESS:
             return f"{who} made no progress for {self.for_s:.0f}s at step {self.step}"
         if self.kind == STARTUP:
@@ -118,7 +122,8 @@ class RankWatch:
                 if silent > self.stall_floor_s:  # stopped beating too: the one the others wait for
                     found.append(Hang(rank, SILENT, silent, s.hb.step, phase))
                 else:
-                    found.append(Hang(rank, NO_PROGRESS, now - s.step_at, s.hb.step, phase))
+                    found.append(Hang(rank, NO_PROGRESS, now - s.step_at, s.hb.step, phase,
+                                      never_stepped=s.hb.first_step_at is None))
         if self.expected_ranks and since_launch > self.startup_timeout_s:
             for rank in range(self.expected_ranks):
                 if rank not in self.seen:

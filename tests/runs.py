@@ -89,9 +89,13 @@ class FakeHandle:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text("")
         self.rc = rc
+        self.pid = 2**22 - 1  # no such process
 
     def wait(self, timeout):
         return self.rc
+
+    def workers(self):
+        return []
 
     def track(self, extra_pids=()):
         list(extra_pids)

@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import signal
+import textwrap
 import time
 from pathlib import Path
 
@@ -205,3 +206,56 @@ def test_an_auto_interval_is_chosen_by_the_supervisor_and_followed_by_the_ranks_
         assert commits and all(5 <= g <= 40 for g in gaps), (attempt, start, commits)
         assert "(from the supervisor)" in rank_log(run_dir, attempt, 0), attempt
     assert [h["reason"] for h in doc["history"]] == ["worker_signal", "finished"]
+    # What was measured is kept for the run's next supervisor (a rerun started the tuner from nothing).
+    memory = state(run_dir)["accounting"]["tuner"]
+    assert memory["costs"] and len(memory["step_dts"]) >= 5, memory
+
+
+def test_a_worker_stuck_before_its_first_heartbeat_is_in_the_hang_evidence(tmp_path):
+    """Rank 1 blocks in its script's own code before it joins (as an import on a hung filesystem would): it has no
+    heartbeat and no stack-dump handler yet, so it gets no signal; its process and command line are recorded."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""\
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            time.sleep(3600)  # stuck before joining
+        from train_entry.__main__ import main
+        sys.exit(main(sys.argv[1:]))
+    """))
+    job = tmp_path / "job.yaml"
+    job.write_text("name: stuck\nentrypoint: {script: train.py, args: [--steps, '20', --device, cpu]}\n"
+                   "nproc_per_node: 2\nrestart: {max_restarts: 0}\nheartbeat: {startup_timeout_s: 6s}\n")
+    with started(resilient("run", job), tmp_path, log=tmp_path / "sup.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 1, sup.output()[-3000:]
+        console = sup.output()
+    first = status(tmp_path / "runs" / "stuck")["history"][0]
+    assert first["reason"] == "hang" and "rank 1 wrote no heartbeat" in first["detail"], first
+    assert "the state of 1 worker(s) that never beat" in console, console
+    evidence = json.loads((Path(first["log_dir"]) / "hang_evidence.json").read_text())
+    [stuck] = evidence["workers_without_heartbeat"]
+    assert stuck["rank"] == 1 and "train.py" in stuck["cmdline"], stuck
+    # A prewarmed rank's worker is its proxy; the facts are the rank's own: asleep in its script, not in the proxy's
+    # socket read.
+    assert stuck["status"] == "sleeping" and stuck["wchan"] in ("hrtimer_nanosleep", "do_nanosleep", None), stuck
+    assert "prewarm_client" not in stuck["cmdline"] or stuck["prewarm_proxy_pid"] != stuck["pid"], stuck
+    assert [r["rank"] for r in evidence["ranks"]] == [0]
+    # Its stack, dumped into its own log: the line it is stuck on.
+    log, offset = stuck["stack_dump"].split(" (from byte ")
+    dump = (tmp_path / "runs" / "stuck" / log).read_bytes()[int(offset.rstrip(")")):].decode()
+    assert "train.py\", line 3" in dump, dump
+
+
+def test_a_changed_model_is_named_in_one_line_and_stops_the_run_with_its_checkpoints_kept(tmp_path):
+    """DCP wraps each rank's error in a CheckpointException whose text is a traceback wall: the supervisor showed
+    'CheckpointException ranks:dict_keys([0, 1]) Traceback ...', cut off before the cause, and called the passed
+    over checkpoint 'rolled back past it (a non-finite loss ...)'."""
+    run_dir = tmp_path / "run"
+    with started(run_job(run_dir, steps=40, extra_args=("--n-embd", "32")), tmp_path, log=tmp_path / "a.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    with started(run_job(run_dir, steps=80, extra_args=("--n-embd", "48")), tmp_path, log=tmp_path / "b.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 1, sup.output()[-3000:]
+        out = sup.output()
+    assert "no longer match the training code or model" in out, out[-3000:]
+    assert "rank 0: ValueError: Size mismatch" in out or "rank 1: ValueError: Size mismatch" in out, out[-3000:]
+    assert "non-finite" not in out and "CheckpointException" not in out, out[-3000:]
+    assert {p.name for p in (run_dir / "checkpoints").iterdir()} >= {"step_000000020", "step_000000040"}

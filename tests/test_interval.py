@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -113,3 +114,21 @@ def test_the_jobs_max_interval_wins_and_one_stalled_save_does_not_hold_the_inter
 
 def test_a_negative_restart_cost_is_no_cost():
     assert young_daly(0.01, 10.0, -60.0) == young_daly(0.01, 10.0, 0.0)
+
+
+def test_a_rerun_starts_from_what_the_run_measured_and_ignores_a_damaged_memory():
+    """A supervisor restart started the tuner from nothing: the interval went back to the cold start, then flapped
+    on the median of one or two saves."""
+    tuner = IntervalTuner(prior_mtbf_s=200.0, min_steps=5, max_steps=10_000)
+    t = feed(tuner, range(1, 51), 0.1)
+    for step in (50, 100, 150):
+        tuner.on_save(step, 0.5)
+        tuner.on_commit(step, 0.6)
+        t = feed(tuner, range(step + 1, step + 51), 0.1, t + 0.5)
+    again = IntervalTuner(prior_mtbf_s=200.0, min_steps=5, max_steps=10_000)
+    again.restore(json.loads(json.dumps(tuner.memory())))  # through state.json
+    assert again.settled and again.save_cost_s == tuner.save_cost_s and again.step_s == pytest.approx(0.1)
+    assert again.choose(600.0, 0, None).steps == tuner.choose(600.0, 0, None).steps
+    damaged = IntervalTuner(prior_mtbf_s=200.0, min_steps=5, max_steps=10_000)
+    damaged.restore({"step_dts": ["x", -1.0, True], "costs": [float("nan")], "persist": 3})
+    assert not damaged.step_dts and not damaged.costs and not damaged.persist

@@ -53,11 +53,23 @@ sys.exit(code)
 '''
 
 
-def run(cwd: Path, script: Path, total: int, out: str) -> str:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+def torchrun(script: Path, *args: object) -> list[str]:
+    """Plain torchrun, 2 ranks, no supervisor."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0",
-            str(script), str(total), out]
-    with started(argv, cwd, log=cwd / f"{out}.log") as p:
+            str(script), *map(str, args)]
+
+
+def straight_and_resumed(tmp_path: Path) -> tuple[Path, Path]:
+    """The folders of an uninterrupted run and of one stopped half-way and resumed."""
+    folders = tmp_path / "straight", tmp_path / "resumed"
+    for f in folders:
+        f.mkdir()
+    return folders
+
+
+def run(cwd: Path, script: Path, total: int, out: str) -> str:
+    with started(torchrun(script, total, out), cwd, log=cwd / f"{out}.log") as p:
         rc = p.wait(120)
         text = p.output()
     assert rc == 0, text[-3000:]
@@ -71,9 +83,7 @@ def test_a_users_ddp_script_with_its_slips_resumes_bitwise(tmp_path):
     BatchNorm buffers balanced its writes best, so the resumed run left the uninterrupted one."""
     script = tmp_path / "my_ddp.py"
     script.write_text(SCRIPT)
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    straight.mkdir()
-    resumed.mkdir()
+    straight, resumed = straight_and_resumed(tmp_path)
     run(straight, script, 20, "end")
     first = run(resumed, script, 10, "half")
     assert first.count("the training position") == 1 and "save(5) with state.step 0" in first
@@ -100,3 +110,148 @@ def test_a_script_started_without_torchrun_says_so_in_one_sentence(tmp_path):
     assert r.returncode == 78 and "Traceback" not in r.stderr, r.stderr  # EXIT_CONFIG: the environment
     assert r.stderr.strip().startswith("resilient: RANK and WORLD_SIZE and MASTER_ADDR and MASTER_PORT not set")
     assert "torchrun" in r.stderr and not (tmp_path / "ckpt").exists()
+
+
+MISUSE = '''
+import sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from train_entry import PerRank, Session, TrainState
+
+mode = sys.argv[1]
+
+
+class Holder:
+    def state_dict(self):
+        return {"f": lambda: 0}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+if mode == "own_pg":
+    dist.init_process_group("gloo")
+session = Session.start(ckpt_dir="ckpt", ckpt_interval=2, async_save=True)
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+extra = {"nested": {1: "one"}} if mode == "int_key" else {"best": float("nan"), "pair": (1, 2)}
+stateful = {"holder": PerRank(Holder())} if mode == "unpicklable" else {}
+state = TrainState(model, opt, extra=extra, stateful=stateful)
+if mode == "save_before_resume":
+    session.save(0, state)
+step = session.resume(state)
+while step < 4:
+    step += 1
+    state.step = step
+    if mode == "tensor_count":
+        state.tokens_seen += torch.tensor(8)
+    session.beat(step, model(torch.ones(1, 4)).pow(2).sum())
+    if session.should_save(step):
+        session.save(step, state)
+sys.exit(session.finish(step, state))
+'''
+
+
+@pytest.mark.parametrize("mode, says", [
+    ("save_before_resume", "cannot run session.save(): it came before session.resume(state)"),
+    ("int_key", "state.extra has the key 1, which would come back from its checkpoint as the string '1'"),
+    ("tensor_count", "the training position cannot be saved as JSON"),
+    ("unpicklable", "stateful 'holder' (Holder, PerRank): its state_dict() cannot be saved"),
+    ("own_pg", "the default process group was already initialized"),
+])
+def test_a_misuse_of_the_library_ends_every_rank_with_exit_78_and_one_sentence(tmp_path, mode, says):
+    """Each of these was a traceback and exit 1 (retried, as a passing fault would be), a hang, or a silent change
+    of the user's data (an int key of state.extra came back as a string)."""
+    import re
+
+    script = tmp_path / "misuse.py"
+    script.write_text(MISUSE)
+    with started(torchrun(script, mode), tmp_path, log=tmp_path / "out.log") as p:
+        rc = p.wait(120)
+        text = p.output()
+    assert rc != 0 and says in text, text[-3000:]
+    # EXIT_CONFIG; torchrun may end the slower rank with SIGTERM first.
+    codes = re.findall(r"exitcode\s+:\s*(-?\d+) \(pid", text)
+    # -15: torchrun ended the slower rank first; -6: a rare SIGABRT in the interpreter's teardown after the exit
+    # (see TWO_OPTIMIZERS below).
+    assert "78" in codes and set(codes) <= {"78", "-15", "-6"}, text[-3000:]
+    ranks_said = text.split("failed (exitcode")[0]  # torchrun's own report of it follows, with its own traceback
+    assert "Traceback (most recent call last)" not in ranks_said, ranks_said[-3000:]
+    assert not list((tmp_path / "ckpt").glob("step_*")) if (tmp_path / "ckpt").is_dir() else True
+
+
+def test_a_script_that_never_calls_finish_is_not_reported_as_a_clean_finish(tmp_path):
+    from tests.runs import resilient, status
+
+    script = tmp_path / "nofinish.py"
+    script.write_text(MISUSE.replace("sys.exit(session.finish(step, state))", "sys.exit(0)").replace(
+        "while step < 4:", "while step < 5:"))
+    job = tmp_path / "job.yaml"
+    job.write_text("name: nofin\nentrypoint: {script: nofinish.py, args: [plain]}\nnproc_per_node: 2\n"
+                   "checkpoint: {interval_steps: 2}\n")
+    with started(resilient("run", job), tmp_path, log=tmp_path / "sup.log") as sup:
+        assert sup.wait(120) == 0, sup.output()[-3000:]
+        out = sup.output()
+    assert "the ranks exited 0 without session.finish() at step 5" in out, out[-3000:]
+    doc = status(tmp_path / "runs" / "nofin")
+    assert doc["last_checkpoint_step"] == 4 and doc["history"][0]["lost_steps"] == 1, doc
+
+
+TWO_OPTIMIZERS = '''
+import os
+import sys
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from train_entry import Session, TrainState
+
+total, out = int(sys.argv[1]), sys.argv[2]
+session = Session.start(ckpt_dir="ckpt", ckpt_interval=5, async_save=True)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+for layer in (model[0], model[2], model[4]):
+    fully_shard(layer)
+fully_shard(model)
+hidden = [p for n, p in model.named_parameters() if n.startswith("2.")]
+rest = [p for n, p in model.named_parameters() if not n.startswith("2.")]
+opts = [torch.optim.SGD(hidden, lr=0.01, momentum=0.9), torch.optim.AdamW(rest, lr=1e-3)]
+state = TrainState(model, opts)
+step = session.resume(state)
+while step < total:
+    g = torch.Generator().manual_seed(step * 10 + session.rank)
+    loss = model(torch.randn(16, 8, generator=g)).pow(2).mean()
+    for o in opts:
+        o.zero_grad()
+    loss.backward()
+    for o in opts:
+        o.step()
+    step += 1
+    state.step = step
+    session.beat(step, loss)
+    if session.should_save(step):
+        session.save(step, state)
+sd = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}  # collective: before finish()
+code = session.finish(step, state)
+torch.save(sd, f"{out}.rank{session.rank}.pt")
+# Under plain torchrun, 3 of 66 runs of this script died of SIGABRT ("terminate called without an active
+# exception") in the interpreter's teardown, after finish() had returned and its checkpoint was committed (not
+# root-caused; one optimizer: 0 of 48). What is tested here is the resume: leave without that teardown.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
+'''
+
+
+@pytest.mark.matrix
+def test_two_optimizers_over_one_fsdp2_model_resume_bitwise(tmp_path):
+    """Muon beside AdamW, a GAN's two: a second optimizer had no way into the checkpoint (TrainState took one,
+    and a Sharded declaration of the second failed before its first step, holding no state yet)."""
+    script = tmp_path / "two_opts.py"
+    script.write_text(TWO_OPTIMIZERS)
+    straight, resumed = straight_and_resumed(tmp_path)
+    run(straight, script, 20, "end")
+    run(resumed, script, 10, "half")
+    assert "resumed from step 10" in run(resumed, script, 20, "end")
+    a, b = torch.load(straight / "end.rank0.pt"), torch.load(resumed / "end.rank0.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed run left the straight one"

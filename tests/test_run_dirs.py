@@ -410,3 +410,42 @@ def test_logs_never_reads_through_a_link_out_of_the_attempts_logs_nor_waits_on_a
     out = result["r"].output
     assert "rank 2 says hello" in out, out
     assert "SECRET" not in out and "OUTSIDE RANK 1" not in out, out
+
+
+def test_checkpoints_committed_while_no_supervisor_ran_are_trimmed_to_keep_before_the_first_launch(
+        tmp_path, cli, monkeypatch):
+    """The ranks of a killed supervisor checkpoint and stop on their own; nothing trimmed what they committed."""
+    run_dir = tmp_path / "run"
+    for step in (10, 30, 50, 70, 90):
+        write_checkpoint(run_dir / "checkpoints", step)
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: finished_attempt(steps=(100,)))
+    r = cli("run", job, "--run-dir", run_dir)
+    assert r.exit_code == 0, r.output
+    assert "removed step_000000010, step_000000030 (keep 3: committed while no supervisor was running)" in r.output
+    assert steps(run_dir / "checkpoints") == [50, 70, 90, 100]  # the fake attempt's own commit is not trimmed
+
+
+def test_retention_at_start_never_removes_the_chosen_checkpoint_for_a_newer_one_it_passed_over(
+        tmp_path, cli, monkeypatch):
+    """With `verify: checksum`, a newer checkpoint whose bytes cannot be read is passed over by the choice but
+    looks whole to retention's size check: `keep: 1` kept it and removed the one chosen."""
+    run_dir = tmp_path / "run"
+    for step in (10, 20):  # shards big enough that the size check does not read them (small files it checksums)
+        write_checkpoint(run_dir / "checkpoints", step, size=2 << 20)
+    real = store.checksum_file
+
+    def eio_in_step_20(path, *a, **kw):
+        if "step_000000020" in str(path) and str(path).endswith(".distcp"):  # a big shard, read only in full
+            raise OSError(5, "Input/output error", str(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(store, "checksum_file", eio_in_step_20)
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("keep: 3", "keep: 1, verify: checksum"))
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: finished_attempt(steps=(30,)))
+    r = cli("run", job, "--run-dir", run_dir)
+    assert r.exit_code == 0, r.output
+    assert "resuming from step 10" in r.output and "removed step_000000010" not in r.output, r.output
+    assert 10 in steps(run_dir / "checkpoints")

@@ -188,3 +188,27 @@ def test_declared_kinds_are_checked_against_the_state_and_replicated_digests_com
 def test_objects_in_the_checkpoint_that_the_run_no_longer_declares_are_listed():
     saved = save(2, lambda r: {"a": Replicated(Counter()), "b": PerRank(Counter())}) | {"sharded.ema.w": 0}
     assert StatefulSet({"a": Replicated(Counter())}).undeclared(set(saved)) == ["b", "ema"]
+
+
+def test_what_trainstate_takes_and_what_its_extra_may_hold():
+    from train_entry.state import TrainState
+    from train_entry.stateful import StatefulError
+
+    m = torch.nn.Linear(2, 1)
+    with pytest.warns(UserWarning):  # torch warns of a parameter listed twice in one optimizer, and keeps it
+        one = torch.optim.SGD([m.weight, m.weight, m.bias], lr=0.1)
+    TrainState(m, one)  # accepted, as before several optimizers were
+    with pytest.raises(TypeError, match="no optimizer"):
+        TrainState(m, [])
+    with pytest.raises(TypeError, match="a parameter is in two optimizers"):
+        TrainState(m, [torch.optim.SGD([m.weight], lr=0.1), torch.optim.SGD([m.weight, m.bias], lr=0.1)])
+    state = TrainState(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                       extra={"best": float("nan"), "pair": (1, 2), "runs": [{"ok": 1}]})
+    state.position()  # NaN, tuples, nested dicts with string keys: JSON gives them back
+    for extra, says in (({"x": [{None: 2}]}, "key None, which would come back from its checkpoint as the string "
+                                              "'null'"),
+                        ({True: 1}, "as the string 'true'"), ({3: "epoch"}, "as the string '3'")):
+        state.extra.clear()
+        state.extra.update(extra)
+        with pytest.raises(StatefulError, match=re.escape(says)):
+            state.position()

@@ -81,11 +81,17 @@ def test_sigstop_is_a_hang_detected_within_the_timeout_with_a_stack_dump(tmp_pat
     stderr = (run_dir / victim_facts["stderr"]).read_text()  # recorded relative to the run dir
     assert "most recent call first" in stderr and "train_entry" in stderr
     assert doc["state"] == "succeeded"
+    # The stall is no useful training: it is `stalled_s` where the continued ranks stepped on and saved, else
+    # in attempt 1's tail or its lost steps.
+    acct = state(run_dir)["accounting"]
+    a1 = acct["ledger"]["attempts"][0]
+    not_useful = acct["summary"]["stalled_s"] + (a1["ended_at"] - a1["last_step_at"]) + a1["lost_s"]
+    assert not_useful >= detected_in - 2.0, (acct["summary"], a1, detected_in)
 
 
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous(tmp_path):
     run_dir = tmp_path / "run"
-    argv = run_job(run_dir, steps=80, extra_args=("--test-save-pause", "mid_data:60@40", "--test-attempts", "1"))
+    argv = run_job(run_dir, steps=80, extra_args=("--test-save-pause", "mid_data:12@40", "--test-attempts", "1"))
     partial = run_dir / "checkpoints" / store.partial_dirname(40)
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         # The paused save holds the ranks in phase `save` from step 60 on: alive in any phase will do.
@@ -203,6 +209,10 @@ def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path
     doc = status(run_dir)
     assert doc["state"] == "succeeded"
     assert [h["reason"] for h in doc["history"][attempt - 1:]] == ["supervisor_lost", "finished"], doc["history"]
+    # The lost attempt's step is the last its step log records, and its ledger entry is closed.
+    lost = doc["history"][attempt - 1]
+    assert lost["step_at_failure"] is not None and lost["step_at_failure"] >= 10, lost
+    assert state(run_dir)["accounting"]["ledger"]["attempts"][attempt - 1]["ended_at"] is not None
 
 
 def test_a_rerun_stops_a_forked_rank_that_outlived_a_killed_supervisor_before_relaunching(tmp_path):
@@ -362,3 +372,48 @@ def test_a_console_reader_that_goes_away_does_not_stop_the_training(tmp_path):
             psutil.wait_procs(family, timeout=10)
     doc = status(run_dir)
     assert doc["state"] == "succeeded" and doc["step"] == 160, (doc["state"], doc["step"])
+
+
+def test_ctrl_z_suspends_the_supervisor_says_the_ranks_train_on_and_fg_watches_again(tmp_path):
+    """In a terminal, as the foreground job (a pty is its controlling terminal); without one, SIGTSTP is ignored
+    (tests/test_supervisor_unit.py): no shell could continue it."""
+    import fcntl
+    import pty
+    import termios
+
+    run_dir = tmp_path / "run"
+    master, slave = pty.openpty()
+
+    def own_terminal():  # a session of its own, with the pty as its controlling terminal: its job is foreground
+        os.setsid()
+        fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+
+    log = open(tmp_path / "sup.log", "wb")  # noqa: SIM115 (closed below)
+    sup = subprocess.Popen(run_job(run_dir, steps=150), cwd=tmp_path, env=child_env(), stdin=slave, stdout=log,
+                           stderr=subprocess.STDOUT, preexec_fn=own_terminal)
+    me = psutil.Process(sup.pid)
+    seen = {me.pid: me}
+    try:
+        wait_for(lambda: live_ranks(run_dir, min_step=5), 90, "training")
+        seen.update({p.pid: p for p in me.children(recursive=True)})
+        sup.send_signal(signal.SIGTSTP)
+        wait_for(lambda: me.status() == psutil.STATUS_STOPPED, 30, "the supervisor to stop")
+        assert "the ranks train on unwatched" in (tmp_path / "sup.log").read_text(), "no word before stopping"
+        rank = live_ranks(run_dir)[0]
+        log_file = run_dir / "steps" / f"attempt_{state(run_dir)['attempt']}.jsonl"
+        steps_then = len(read_step_log(log_file))
+        wait_for(lambda: len(read_step_log(log_file)) > steps_then + 5, 60, "the ranks training while it is stopped")
+        assert psutil.Process(rank["pid"]).status() != psutil.STATUS_STOPPED
+        sup.send_signal(signal.SIGCONT)
+        assert sup.wait(RUN_TIMEOUT) == 0, (tmp_path / "sup.log").read_text()[-3000:]
+        assert "continued: watching the ranks again" in (tmp_path / "sup.log").read_text()
+    finally:
+        for p in [me, *seen.values()]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            sup.wait(10)
+        log.close()
+        os.close(master)
+        os.close(slave)
+    assert [h["reason"] for h in status(run_dir)["history"]] == ["finished"]

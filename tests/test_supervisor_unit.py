@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import ClassVar
@@ -235,6 +236,8 @@ def test_a_first_step_has_the_startups_allowance():
     for t in range(96, 112):
         w.observe({0: hb(0, phase="train", seq=t, step=0, first_step_at=None)}, now=t)
     assert [(h.rank, h.kind) for h in w.hangs(111.5)] == [(0, NO_PROGRESS)]
+    # A script that never calls beat() looks just so: the verdict says what to check.
+    assert "must call session.beat(step, loss) every step" in w.hangs(111.5)[0].describe()
 
 
 def test_stall_rule_scales_with_the_slowest_recent_step():
@@ -754,3 +757,59 @@ def test_a_passed_over_checkpoint_is_no_progress_and_set_aside_only_once_an_olde
     sup._suspect = (40, "why")
     sup.on_resumed(20, "durable", 0.0)
     assert not (cfg.checkpoint.dir / store.step_dirname(40)).exists() and sup.record.quarantined[0]["step"] == 40
+
+
+def test_sigtstp_without_a_terminal_to_continue_the_supervisor_is_ignored_with_a_word(monkeypatch, capsys):
+    """Under nohup &, setsid or systemd no shell could `fg` it: stopping would leave the run unwatched for good."""
+    from supervisor.commands import run as run_cmd
+    from supervisor.console import EventConsole
+
+    monkeypatch.setattr(run_cmd, "foreground", lambda: False)
+    stopped = []
+    monkeypatch.setattr(run_cmd.os, "kill", lambda pid, sig: stopped.append(sig))
+    run_cmd.on_suspend(EventConsole("job"))(signal.SIGTSTP, None)
+    assert stopped == [] and "SIGTSTP ignored" in capsys.readouterr().err
+    monkeypatch.setattr(run_cmd, "foreground", lambda: True)
+    run_cmd.on_suspend(EventConsole("job"))(signal.SIGTSTP, None)
+    assert stopped == [signal.SIGSTOP]
+
+
+class SilentTorchrun(FakeHandle):
+    """A torchrun that never exits and never starts a worker (the fake clock runs its startup allowance out)."""
+
+    def wait(self, timeout):
+        return None
+
+
+@pytest.mark.parametrize(("endpoint", "reason"), [(None, api.HANG), ("127.0.0.1:1", api.RENDEZVOUS)])
+def test_a_torchrun_with_no_workers_is_a_rendezvous_only_where_it_has_one(tmp_path, endpoint, reason):
+    """A standalone torchrun has no rendezvous to wait in: no workers by startup_timeout_s is a hang, with its own
+    state in the evidence. With an endpoint it is still in the rendezvous: no hang, no budget spent."""
+    from types import SimpleNamespace
+
+    from supervisor.api import AttemptSpec
+    from supervisor.attempt import Attempt
+    from supervisor.config import load_job
+
+    job = tmp_path / "job.yaml"
+    rdzv = f"rdzv: {{endpoint: '{endpoint}'}}\nnnodes: '1:2'\n" if endpoint else ""
+    job.write_text(f"name: demo\nentrypoint: {{module: train_entry}}\nheartbeat: {{startup_timeout_s: 5}}\n{rdzv}")
+    cfg = load_job(str(job), [])
+    logs = tmp_path / "logs" / "attempt_1"
+    spec = AttemptSpec(1, None, None, logs, tmp_path / "hb", tmp_path / "steps.jsonl", tmp_path / "control.json")
+    ticks = iter(range(10_000))
+    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a: None, on_tick=lambda: None,
+                               on_resumed=lambda *a: None, stop_signal=lambda: None)
+    handle = SilentTorchrun(logs / "torchrun.log")
+    handle.pid = __import__("os").getpid()  # a live process for the evidence's facts
+    console = SimpleNamespace(event=lambda text, style=None: None)
+    rec = state.AttemptRecord(attempt=1, started_at=0.0, resumed_from_step=None)
+    run = state.RunRecord(name="demo", run_dir=".", checkpoint_dir="checkpoints")
+    outcome = Attempt(cfg, spec, Handover(), lambda *a: handle, console, rec, run, listener,
+                      clock=lambda: float(next(ticks))).run()
+    assert outcome.reason == reason, outcome
+    evidence = logs / "hang_evidence.json"
+    if reason == api.HANG:
+        assert json.loads(evidence.read_text())["torchrun"]["pid"] == handle.pid
+    else:
+        assert not evidence.exists() and "torchrun started no workers in" in outcome.detail

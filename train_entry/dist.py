@@ -36,7 +36,8 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but CUDA is not available on this machine")
+        raise ValueError(f"device {preference!r} was asked for (Session.start(device=...), or the entry point's "
+                         "--device), but CUDA is not available on this machine")
     return torch.device("cuda", local_rank)
 
 
@@ -48,6 +49,9 @@ def init(timeout_s: float, device_preference: str = "auto") -> DistContext:
     """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(device_preference, local_rank)
+    if dist.is_initialized():
+        raise ValueError("the default process group was already initialized (init_process_group in the script?): "
+                         "Session.start() joins the job itself; remove the script's own init_process_group")
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = dt.timedelta(seconds=timeout_s)
     if device.type == "cuda":

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from supervisor.protocol import (
+    NO_FINISH,
     CommitRecord,
     Heartbeat,
     SaveRecord,
@@ -79,7 +80,7 @@ class Beater:
 
     def _at_exit(self) -> None:
         if not self._stopped.is_set():
-            self.stop(phase="exited", exit_reason=self.hb.exit_reason or "exited without finish()")
+            self.stop(phase="exited", exit_reason=self.hb.exit_reason or NO_FINISH)
 
     def set_phase(self, phase: str, *, now: bool = False) -> None:
         with self._lock:

@@ -18,6 +18,8 @@ The reference entry point (`python -m train_entry`) is written with exactly thes
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import logging
 import math
@@ -101,6 +103,7 @@ class Session:
         self._mean: float | None = None
         self._step_warned = self._position_warned = False
         self._finished: int | None = None
+        self._resumed = False
 
     # ---- start --------------------------------------------------------------------------------------
 
@@ -136,7 +139,12 @@ class Session:
                         supervisor_pid=h.supervisor_pid, on_orphaned=lambda: stop.set("supervisor gone"))
         beater.start()
         t_pg = time.monotonic()
-        ctx = dist_util.init(h.collective_timeout_s or collective_timeout_s or 600.0, device)
+        try:
+            ctx = dist_util.init(h.collective_timeout_s or collective_timeout_s or 600.0, device)
+        except ValueError as e:  # the script's setup, the same on every retry: EXIT_CONFIG, one sentence
+            log.error("cannot start: %s (exit %d)", e, EXIT_CONFIG)
+            beater.stop(phase="exited", exit_code=EXIT_CONFIG, exit_reason="config", saving_step=None)
+            sys.exit(EXIT_CONFIG)
         pg_s = time.monotonic() - t_pg
         beater.update(world_size=ctx.world_size)
         durable = h.ckpt_dir or ckpt_dir or "checkpoints"
@@ -154,6 +162,7 @@ class Session:
         session = cls(h, ctx, beater, ckpt, stop, interval=interval, seed=seed, grace_s=grace,
                       sync_every=sync_every, interval_moves=h.supervised and h.ckpt_interval is None)
         session.startup = {"process_start_to_session_s": time.time() - _process_started(), "process_group_s": pg_s}
+        atexit.register(session._at_exit)  # runs before the beater's (atexit is last in, first out)
         return session
 
     @property
@@ -276,6 +285,7 @@ class Session:
         EXIT_CONFIG (78) and one sentence naming it: the checkpoint's bytes were verified, so what fails is
         the object or its declaration, and every checkpoint of the run would fail the same way.
         """
+        self.ckpt.wait()  # a save in flight gathers on the checkpoint group too
         self.beater.set_phase("load", now=True)
         t_resume = time.monotonic()
         step, tier, why = self._choose_resume_step()
@@ -317,6 +327,7 @@ class Session:
                     log.info("restored stateful: %s", ", ".join(notes))
         self.last_saved_step = step
         self.resumed_from = step
+        self._resumed = True
         self.startup["choose_and_load_s"] = time.monotonic() - t_resume
         if self.ctx.is_main:
             log.info("startup: %s", ", ".join(f"{k} {v:.2f}" for k, v in self.startup.items()))
@@ -352,6 +363,15 @@ class Session:
         if failed:
             self._exit_config("start", *failed[0], everyone_failed=len(failed) == self.world_size)
 
+    def _require_resumed(self, call: str) -> None:
+        """`beat` and `save` before `resume`: a save would replace the run's valid checkpoints with a fresh start's
+        steps, and its background gather would meet resume's on the checkpoint group. Every rank runs the same
+        script, so every rank ends here alike."""
+        if not self._resumed:
+            self._exit_config(f"run session.{call}()", -1, "it came before session.resume(state); call resume "
+                              "once, before the training loop: it loads the checkpoint to go on from",
+                              everyone_failed=True)
+
     def _stop_unless_all_fine(self, problem: str | None, doing: str) -> None:
         """Agree across ranks on `problem` (None: fine here); if any rank has one, exit with EXIT_CONFIG."""
         failed = [(r, p) for r, p in enumerate(self._gather(problem)) if p]
@@ -385,7 +405,8 @@ class Session:
         only, since which steps a window holds depends on the measured step time and the resume step (feed a
         scheduler such as ReduceLROnPlateau a loss you all-reduce yourself, or a resumed run will not match).
         """
-        value = 0.0 if loss is None else float(loss)
+        self._require_resumed("beat")
+        value = 0.0 if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         if loss is not None and not math.isfinite(value):
             self._exit_nan(step, value)
         self.ckpt.raise_if_failed()  # a failed background save ends the rank now, not an interval later
@@ -451,6 +472,7 @@ class Session:
         """Checkpoint `state` as `step` (which becomes `state.step` if it was not). Async unless `sync` or
         stopping; returns the seconds training was blocked, or None if skipped (already saved, or a stop whose
         grace cannot fit a save)."""
+        self._require_resumed("save")
         if step == self.last_saved_step:
             return None
         if state.step != step:  # the checkpoint of `step` must say `step`: a resume checks it and refuses otherwise
@@ -478,7 +500,10 @@ class Session:
         """`state`'s state dict for a save, once every rank has checked that its Replicated objects are still
         the same as the others' (one small all-reduce of their digests; with none, nothing): DCP would keep one
         rank's copy and hand it to every rank at the resume. A drifted one ends every rank with EXIT_CONFIG."""
-        sd = state.state_dict(self.rank, self.device)
+        try:
+            sd = state.state_dict(self.rank, self.device)
+        except StatefulError as e:  # the same script on every rank: every rank ends here alike
+            self._exit_config(f"save step {state.step}", -1, str(e), everyone_failed=True)
         keys = state.replicated_keys()
         if self.world_size == 1:
             return sd
@@ -534,11 +559,19 @@ class Session:
         self._finished = code
         return code
 
+    def _at_exit(self) -> None:
+        """A script that ends without finish(): a save still in flight lands before the interpreter goes (its
+        thread is a daemon, which exit would kill mid-write)."""
+        if self._finished is None and self.ckpt.in_flight is not None and dist.is_initialized():
+            self.beater.set_phase("save", now=True)  # a save is not held to progress (finish() says the same)
+            with contextlib.suppress(Exception):
+                self.ckpt.wait()
+
     def _exit_unloadable(self, step: int, path: Any, error: BaseException) -> None:
         """The checkpoint handed over cannot be loaded: say so with the traceback in this rank's log, and exit
         EXIT_CHECKPOINT_LOAD (74). The supervisor checks that checkpoint in full, sets it aside if it is bad (or
         fails to load twice) and relaunches from an older one."""
-        why = f"{type(error).__name__}: {error}"
+        why = root_cause(error)
         log.error("cannot load checkpoint step %d (%s): %s; exiting with code %d", step, path, why,
                   EXIT_CHECKPOINT_LOAD, exc_info=error)
         self.beater.stop(phase="exited", exit_code=EXIT_CHECKPOINT_LOAD, saving_step=None,
@@ -554,3 +587,20 @@ class Session:
         finally:
             self.beater.stop(phase="exited", exit_code=EXIT_NAN, exit_reason="nan", saving_step=None)
         sys.exit(EXIT_NAN)
+
+
+def root_cause(error: BaseException) -> str:
+    """One line for a failure: DCP's CheckpointException wraps each rank's own exception (a size mismatch, a
+    missing key) in a traceback wall of its own; the first failed rank's exception says what went wrong."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = min(failures.items(), key=lambda kv: kv[0])
+        inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+        if isinstance(inner, BaseException):
+            return f"rank {rank}: {_first_line(inner)}"
+    return _first_line(error)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:400]}" if text else type(error).__name__

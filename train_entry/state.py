@@ -9,14 +9,14 @@ import logging
 import pickle
 import random
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from train_entry.stateful import Declared, StatefulSet
+from train_entry.stateful import Declared, StatefulError, StatefulSet
 
 log = logging.getLogger("train_entry")
 
@@ -70,7 +70,7 @@ class TrainState:
     """
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]  # several: each over its own parameters
     scheduler: Any = None
     step: int = 0
     samples_seen: int = 0
@@ -79,14 +79,41 @@ class TrainState:
     stateful: Mapping[str, Declared] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"TrainState(model, optimizer, ...): the optimizer is {type(self.optimizer).__name__}, "
-                            "not a torch.optim.Optimizer; pass the one training steps with")
+        several = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
+        for opt in several:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"TrainState(model, optimizer, ...): the optimizer is {type(opt).__name__}, not a "
+                                "torch.optim.Optimizer; pass the one training steps with (or a list of them)")
+        if not several:
+            raise TypeError("TrainState(model, []): no optimizer; pass the one training steps with (or a list)")
+        seen: set[int] = set()
+        for opt in several:
+            mine = {id(p) for group in opt.param_groups for p in group["params"]}
+            if mine & seen:
+                raise TypeError("TrainState(model, [optimizers]): a parameter is in two optimizers; each "
+                                "optimizer's state is saved under its parameters' names, so each parameter may "
+                                "have one")
+            seen |= mine
         self._stateful = StatefulSet(self.stateful)  # checks names and declarations now, not at the first save
 
     def position(self) -> dict[str, Any]:
-        return {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
-                "extra": self.extra}
+        """The training position as saved (JSON). Raises StatefulError for what JSON would not give back the
+        same: a tensor count, a tuple, a key that is not a string (an int key comes back as a string)."""
+        pos = {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
+               "extra": self.extra}
+        try:
+            json.dumps(pos)
+        except (TypeError, ValueError) as e:
+            raise StatefulError(f"the training position cannot be saved as JSON ({e}): keep plain numbers in "
+                                "state.step, samples_seen and tokens_seen (int(t) of a tensor), and numbers, "
+                                "strings, lists and dicts with string keys in state.extra") from None
+        found = _non_string_key(self.extra)
+        if found:
+            key = found[0]
+            raise StatefulError(f"state.extra has the key {key!r}, which would come back from its checkpoint as the "
+                                f"string {next(iter(json.loads(json.dumps({key: 0}))))!r} (JSON keys are "
+                                "strings): use string keys there")
+        return pos
 
     def state_dict(self, rank: int, device: torch.device) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -153,3 +180,21 @@ class TrainState:
                 log.warning("rank %d has no saved RNG state in this checkpoint: seeded from (seed %d, rank %d, "
                             "step %d)", rank, seed, rank, self.step)
                 seed_rank(seed, rank, self.step, device)
+
+
+def _non_string_key(obj: Any) -> tuple[Any, ...]:
+    """(key,) for the first dict key in `obj` that JSON would turn into a string (an int epoch, None), or ().
+    (Tuples as values come back as lists, which compare and unpack alike; NaN comes back as NaN.)"""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                return (k,)
+            found = _non_string_key(v)
+            if found:
+                return found
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            found = _non_string_key(v)
+            if found:
+                return found
+    return ()

@@ -194,10 +194,18 @@ class StatefulSet:
             if isinstance(decl, Sharded):
                 sd[f"sharded.{name}"] = state
             elif isinstance(decl, Replicated):
-                sd[f"replicated.{name}"] = pack(state)
+                sd[f"replicated.{name}"] = self._pack(name, decl, state)
             else:
-                sd[f"per_rank.{name}.rank{rank}"] = pack(state)
+                sd[f"per_rank.{name}.rank{rank}"] = self._pack(name, decl, state)
         return sd
+
+    def _pack(self, name: str, decl: Declared, state: Any) -> bytes:
+        try:
+            return pack(state)
+        except Exception as e:  # a lambda, a lock, an open file in the state: the same at every save
+            raise StatefulError(f"{self.describe(name, decl)}: its state_dict() cannot be saved ({type(e).__name__}: "
+                                f"{str(e).strip()[:200]}); keep tensors, numbers, strings and containers of "
+                                "them in it") from None
 
     def check(self) -> dict[str, str]:
         """Check each object's state against its declaration; return the digests of the replicated states,
@@ -209,12 +217,16 @@ class StatefulSet:
             sharded = _has_dtensor(state)
             if isinstance(decl, Sharded) and not sharded:
                 raise StatefulError(f"{self.describe(name, decl)} holds no DTensor: declare it Replicated if its "
-                                    "state is the same on every rank, PerRank if each rank has its own")
+                                    "state is the same on every rank, PerRank if each rank has its own (an "
+                                    "optimizer holds no state before its first step: pass every optimizer to "
+                                    "TrainState as a list instead, TrainState(model, [opt1, opt2]))")
             if not isinstance(decl, Sharded) and sharded:
                 raise StatefulError(f"{self.describe(name, decl)} holds DTensors: declare it Sharded, so that "
                                     "each rank saves its shard and a world-size change reshards it")
             if isinstance(decl, Replicated):
-                digests[name] = hashlib.sha256(pack(state)).hexdigest()
+                digests[name] = hashlib.sha256(self._pack(name, decl, state)).hexdigest()
+            elif isinstance(decl, PerRank):
+                self._pack(name, decl, state)  # fails now, not an interval later at the first save
         return digests
 
     def replicated_keys(self) -> dict[str, str]:
@@ -312,7 +324,7 @@ class StatefulSet:
                 state, method = unpack(sd[f"per_rank.{name}.rank{rank}"]), "load_state_dict"
             try:
                 if method == RESHARD_HOOK:
-                    decl.obj.reshard_state_dict(state, rank=rank, world_size=world_size)
+                    decl.obj.reshard_state_dict(state, rank, world_size)  # positionally, as the README shows it
                 else:
                     decl.obj.load_state_dict(state)
             except Exception as e:  # the object's own code: name it rather than show a traceback wall

@@ -9,7 +9,9 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -134,6 +136,39 @@ def stop_signals() -> tuple[signal.Signals, ...]:
     return (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, *hangup)
 
 
+def on_suspend(console: EventConsole) -> Callable[[int, Any], None]:
+    """Ctrl-Z (SIGTSTP) suspends the supervisor alone: the ranks run in their own session and train on. Say so
+    before stopping. Only the foreground job of a terminal is suspended: elsewhere (nohup &, setsid, systemd)
+    no shell could continue it, and the kernel itself would have dropped the SIGTSTP."""
+
+    def handler(_signum: int, _frame: Any) -> None:
+        if not foreground():
+            console.event("SIGTSTP ignored: no terminal's job control could continue resilient; it goes on "
+                          "watching the ranks", style="yellow")
+            return
+        console.event("Ctrl-Z: resilient is suspended; the ranks train on unwatched (no hang detection, no "
+                      "retention) until `fg`, after which Ctrl-C stops the run with a checkpoint", style="yellow")
+        os.kill(os.getpid(), signal.SIGSTOP)  # SIGTSTP's own stop, which this handler took over
+        console.event("continued: watching the ranks again")
+
+    return handler
+
+
+def foreground() -> bool:
+    """This process is in the foreground job of its controlling terminal (whatever its streams are redirected
+    to): a shell's `fg` can continue it."""
+    try:
+        tty = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:  # no controlling terminal
+        return False
+    try:
+        return os.tcgetpgrp(tty) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(tty)
+
+
 def make_launcher():  # tests replace this to capture the argv without starting torchrun
     from supervisor.launch import TorchrunLauncher
 
@@ -161,6 +196,8 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
         sup = Supervisor(cfg, layout, console=console, launcher=make_launcher())
         stopping = stop_signals()
         previous = {sig: signal.signal(sig, lambda signum, _frame: sup.request_stop(signum)) for sig in stopping}
+        if signal.getsignal(signal.SIGTSTP) is not signal.SIG_IGN:
+            previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, on_suspend(console))
         started = time.monotonic()
         try:
             code = sup.run()

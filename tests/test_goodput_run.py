@@ -1,0 +1,87 @@
+"""What `status` says of a run that ends unfinished, through the real supervisor (torchrun replaced by a fake
+that leaves what a failed attempt leaves: a step log, a checkpoint, a non-zero exit)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from supervisor.protocol import SaveRecord, save_line, step_line
+from tests.ckpt_helpers import write_checkpoint
+from tests.runs import FakeHandle, state
+
+JOB = "name: demo\nentrypoint:\n  module: train_entry\nnproc_per_node: 2\nrestart: {backoff_s: 60}\n"
+
+
+def failed_at_27(cfg, spec, handover):
+    """Steps 1..27 logged, step 20 checkpointed, then torchrun exits 1: steps 21..27 are not in any checkpoint."""
+    t = time.time()
+    lines = []
+    for s in range(1, 28):
+        lines.append(step_line(s, t + 0.01 * s))
+        if s == 20:
+            lines.append(save_line(SaveRecord(20, t + 0.2, 0.001)))
+    spec.step_log.write_text("".join(lines))
+    write_checkpoint(cfg.checkpoint.dir, 20)
+    return FakeHandle(spec.logs_dir / "torchrun.log", rc=1)
+
+
+def test_a_stop_during_the_backoff_counts_no_restart_and_charges_the_unsaved_steps(tmp_path, cli, monkeypatch):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: failed_at_27)
+
+    def stop_in_backoff():  # SIGTERM to ourselves once the supervisor waits out its backoff (its handler is ours)
+        deadline = time.monotonic() + 60
+        while state(run_dir).get("state") != "restarting" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=stop_in_backoff, daemon=True)
+    killer.start()
+    r = cli("run", job, "--run-dir", run_dir)
+    killer.join(10)
+    assert r.exit_code == 143, r.output
+    assert "restart 1/" in r.output  # announced, then stopped before it happened
+    doc = state(run_dir)
+    assert doc["state"] == "stopped" and doc["attempt"] == 1 and doc["restarts"] == 0, doc
+    assert doc["history"][0]["lost_steps"] == 7
+    assert doc["accounting"]["summary"]["lost_steps"] == 7
+
+
+def test_status_parts_add_up_to_the_wall_time(tmp_path):
+    from supervisor.goodput import Accounting
+
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 1.0, None)
+    for s in range(1, 101):  # steps 1..100 at 0.1 s from t=5; saves block 0.05 at 50, 100
+        acc.step(s, 5.0 + 0.1 * s)
+        if s in (50, 100):
+            acc.save(s, 0.05)
+    acc.stalled(8.0, 9.0)  # a hang detected at 9.0; the ranks then ran to 100 and saved it
+    acc.end(16.0)
+    acc.launch(2, 17.0, 100)
+    for s in range(101, 131):
+        acc.step(s, 20.0 + 0.1 * (s - 100))
+        if s == 120:
+            acc.save(s, 0.05)
+    acc.end(24.0)  # failed at 130: 121..130 unsaved
+    acc.settle(120)
+    acc.end_session(25.0)
+    s = acc.summary(25.0)
+    assert s["stalled_s"] == 1.0 and s["lost_steps"] == 10
+    a1 = acc.attempts[0]
+    assert a1.useful_s == pytest_approx(9.9 - 1.0 - 0.05)  # the stop save of step 100 is in the tail
+    parts = sum(s[k] for k in ("startup_s", "useful_s", "checkpoint_blocking_s", "stalled_s", "lost_s", "tail_s",
+                               "down_s"))
+    assert parts == pytest_approx(24.0 - 1.0)  # the supervisor's own start (0 → 1) and finish (24 → 25) aside
+
+
+def pytest_approx(v):
+    import pytest
+
+    return pytest.approx(v, abs=1e-6)
