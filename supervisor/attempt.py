@@ -46,6 +46,7 @@ class AttemptHandle(Protocol):
     pid: int
 
     def wait(self, timeout: float) -> int | None: ...
+    def alive(self) -> list[Any]: ...
     def workers(self) -> list[int]: ...
     def track(self, extra_pids: Any = ()) -> None: ...
     def signal_group(self, sig: int) -> None: ...
@@ -240,6 +241,7 @@ class Attempt:
         """The supervisor was asked to stop: the ranks checkpoint at their step and exit (`rc`: torchrun had
         already exited, the ranks having had the same signal)."""
         name = signal.Signals(self.listener.stop_signal() or signal.SIGTERM).name
+        deadline = time.monotonic() + self.cfg.stop_timeout_s + 5
         if rc is None:
             self.console.event(f"{name}: asking the ranks to checkpoint and stop (up to "
                                f"{self.cfg.stop_timeout_s:.0f}s)", style="yellow")
@@ -249,6 +251,11 @@ class Attempt:
         else:
             self.console.event(f"{name}: the ranks had it too and have already stopped (torchrun exited with "
                                f"{rc})", style="yellow")
+        # torchrun can be gone while a rank still writes its stop checkpoint and its last heartbeat: the account
+        # below is of ranks that have ended (read before, it said 'train' and could miss the stop's checkpoint).
+        while handle.alive() and time.monotonic() < deadline:
+            handle.wait(0.1)
+            handle.track()
         heartbeats = read_heartbeats(self.spec.heartbeat_dir) or heartbeats
         step = max((hb.step for hb in heartbeats.values()), default=self.run_record.step)
         self.run_record.step = step

@@ -97,6 +97,9 @@ class FakeHandle:
     def workers(self):
         return []
 
+    def alive(self):
+        return []
+
     def track(self, extra_pids=()):
         list(extra_pids)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -14,7 +15,7 @@ from supervisor import api, classify, state
 from supervisor.config import RestartConfig
 from supervisor.launch import torchrun_argv
 from supervisor.policy import LoadFailure, RestartPolicy
-from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat
+from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat, write_heartbeat
 from supervisor.state import RunState
 from supervisor.watch import NO_HEARTBEAT, NO_PROGRESS, SILENT, STARTUP, RankWatch
 from tests.runs import FakeHandle
@@ -813,3 +814,57 @@ def test_a_torchrun_with_no_workers_is_a_rendezvous_only_where_it_has_one(tmp_pa
         assert json.loads(evidence.read_text())["torchrun"]["pid"] == handle.pid
     else:
         assert not evidence.exists() and "torchrun started no workers in" in outcome.detail
+
+
+class TorchrunGoneBeforeItsRanks(FakeHandle):
+    """A stop in which torchrun has exited while its ranks still write their stop checkpoint: they end (their last
+    heartbeat says so) only on the third look."""
+
+    def __init__(self, log_path, heartbeat_dir):
+        super().__init__(log_path, rc=None)
+        self.heartbeat_dir, self.looks, self.signalled = heartbeat_dir, 0, []
+
+    def wait(self, timeout):
+        return 75 if self.signalled else None
+
+    def signal_ranks(self, sig):
+        self.signalled.append(sig)
+
+    def alive(self):
+        self.looks += 1
+        if self.looks < 3:
+            return [object()]
+        for rank in (0, 1):
+            write_heartbeat(self.heartbeat_dir, Heartbeat(rank, 100 + rank, attempt=1, world_size=2, step=55,
+                                                          phase="exited", exit_code=75, exit_reason="preempted"))
+        return []
+
+
+def test_a_stop_accounts_for_ranks_that_outlive_torchrun(tmp_path):
+    """The stop's ranks table and checkpoint note are from the ranks' last word once they have ended, not from
+    the last poll: CI once showed both ranks 'train' at the stop step when torchrun left before them."""
+    from types import SimpleNamespace
+
+    from supervisor.api import AttemptSpec
+    from supervisor.attempt import Attempt
+    from supervisor.config import load_job
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\n")
+    cfg = load_job(str(job), [])
+    logs, hb_dir = tmp_path / "logs" / "attempt_1", tmp_path / "hb"
+    hb_dir.mkdir()
+    for rank in (0, 1):
+        write_heartbeat(hb_dir, Heartbeat(rank, 100 + rank, attempt=1, world_size=2, step=49, phase="train",
+                                          time=time.time(), progress_at=time.time()))
+    spec = AttemptSpec(1, None, None, logs, hb_dir, tmp_path / "steps.jsonl", tmp_path / "control.json")
+    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a: None, on_tick=lambda: None,
+                               on_resumed=lambda *a: None, stop_signal=lambda: signal.SIGHUP)
+    handle = TorchrunGoneBeforeItsRanks(logs / "torchrun.log", hb_dir)
+    console = SimpleNamespace(event=lambda text, style=None: None)
+    rec = state.AttemptRecord(attempt=1, started_at=0.0, resumed_from_step=None)
+    run = state.RunRecord(name="demo", run_dir=".", checkpoint_dir=str(tmp_path / "checkpoints"))
+    outcome = Attempt(cfg, spec, Handover(), lambda *a: handle, console, rec, run, listener).run()
+    assert outcome.reason == api.STOPPED and outcome.step == 55, outcome
+    assert handle.signalled[0] == signal.SIGTERM
+    assert {(r["rank"], r["step"], r["phase"]) for r in run.ranks} == {(0, 55, "exited"), (1, 55, "exited")}
