@@ -154,14 +154,15 @@ def test_a_hangup_of_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tm
     doc = status(run_dir)
     assert doc["state"] == "stopped"
     stop_step = doc["step"]
-    # The ranks table holds their last word (it showed the last poll's step, in phase train).
-    assert {(r["step"], r["phase"], r["alive"]) for r in doc["ranks"]} == {(stop_step, "exited", False)}, doc["ranks"]
-    # The ranks agree on a stop only at their next agreement, which may fall on an interval step: what
-    # shows the stop's own checkpoint is that it was committed after the signal, at the stop step.
-    latest = store.latest_valid(run_dir / "checkpoints", deep=True)
     attempt = state(run_dir)["attempt"]
     why = "\n".join([sup.output()[-2000:], *(rank_log(run_dir, attempt, r)[-1500:] for r in (0, 1)),
                      str(sorted(p.name for p in (run_dir / "checkpoints").iterdir()))])
+    # The ranks table holds their last word (it showed the last poll's step, in phase train).
+    assert {(r["step"], r["phase"], r["alive"]) for r in doc["ranks"]} == {(stop_step, "exited", False)}, \
+        (doc["ranks"], why)
+    # The ranks agree on a stop only at their next agreement, which may fall on an interval step: what
+    # shows the stop's own checkpoint is that it was committed after the signal, at the stop step.
+    latest = store.latest_valid(run_dir / "checkpoints", deep=True)
     assert latest.step == stop_step and latest.created_at > signalled_at, (latest.step, stop_step, why)
     with started(run_job(run_dir, steps=200, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
