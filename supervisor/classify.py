@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from supervisor import api
@@ -124,13 +124,16 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
     """
     rank_log = rank_log or {}
     step = max((hb.step for hb in heartbeats.values()), default=None)
+    root, failures = parse_summary(torchrun_output)
+    root, failures, after_exit = _by_last_word(root, failures, heartbeats)
+    if rc != 0 and after_exit and all(f.exit_code == 0 for f in failures):
+        rc = 0  # every failure torchrun saw was a rank that had finished, dying on its way out
     if rc == 0:
         if any(hb.exit_reason == NO_FINISH for hb in heartbeats.values()):
             return AttemptOutcome(api.FINISHED, f"the ranks exited 0 without session.finish() at step {step}: the "
                                   "steps after the last checkpoint were not saved (call finish(step, state) at the "
                                   "end of the script)", exit_code=0, step=step, unsaved_end=True)
-        return AttemptOutcome(api.FINISHED, "all ranks finished", exit_code=0, step=step)
-    root, failures = parse_summary(torchrun_output)
+        return AttemptOutcome(api.FINISHED, f"all ranks finished{after_exit}", exit_code=0, step=step)
     # A rank that ended on its own said why in its last heartbeat; the first such exit is the cause.
     said = sorted((hb for hb in heartbeats.values() if hb.exit_code not in (None, 0)), key=lambda hb: hb.time)
     if root is None and said:
@@ -195,3 +198,25 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
                               step)
     detail = _last_line(message) or _last_line(log_text) or "no message"
     return AttemptOutcome(api.WORKER_EXIT, f"{where} exited with code {code}: {detail}", rank, code, step)
+
+
+def _by_last_word(root: Failure | None, failures: list[Failure], heartbeats: dict[int, Heartbeat]
+                  ) -> tuple[Failure | None, list[Failure], str]:
+    """A rank whose last heartbeat gives its exit code, yet that torchrun saw die of a signal, died after its exit
+    call, in the interpreter's teardown: gloo's threads can abort a process there (SIGABRT, "terminate called
+    without an active exception"; pytorch/pytorch#179291). Its own word is the outcome (finished, preempted, a
+    config error); the death is noted. Returns the failures with those codes replaced, and the note."""
+    died = []
+
+    def word(f: Failure) -> Failure:
+        hb = heartbeats.get(f.rank)
+        if f.exit_code >= 0 or hb is None or hb.phase != "exited" or hb.exit_code is None:
+            return f
+        died.append(f"rank {f.rank} ({signal_name(f.exit_code)})")
+        return replace(f, exit_code=hb.exit_code)
+
+    failures = [word(f) for f in failures]
+    root = None if root is None else next((f for f in failures if f.rank == root.rank), word(root))
+    note = (f"; {', '.join(sorted(set(died)))} then died in Python's teardown, after its exit: not a failure "
+            "of training (pytorch/pytorch#179291)") if died else ""
+    return root, failures, note

@@ -103,6 +103,24 @@ def test_classify(tmp_path, case, expect_reason, expect_rank):
     assert out.step == 57 or case == "import"
 
 
+def test_a_rank_that_dies_in_teardown_after_its_exit_keeps_its_own_word():
+    """gloo can abort a process in the interpreter's teardown (SIGABRT, "terminate called without an active
+    exception") after the rank's exit call: a rank whose last heartbeat gives its exit code is judged by it (it was
+    a failed attempt, relaunched, when rank 1 died so after finishing; tests saw it after exit 78 too)."""
+    text = summary(code=-6, sig="  (SIGABRT)", traceback="Signal 6 (SIGABRT) received by PID 15576")
+    text = text.replace("exitcode  : 1 (pid: 15575)", "exitcode  : 0 (pid: 15575)")
+    finished = {r: hb(r, step=60, phase="exited", exit_code=0, exit_reason="finished") for r in (0, 1)}
+    out = classify.classify(1, text, finished)
+    assert (out.reason, out.exit_code, out.step) == (api.FINISHED, 0, 60), out
+    assert "rank 1 (SIGABRT) then died in Python's teardown" in out.detail
+    config = {0: hb(0, step=3, phase="exited", exit_code=78, exit_reason="config"),
+              1: hb(1, step=3, phase="exited", exit_code=78, exit_reason="config")}
+    assert classify.classify(1, text, config).reason == api.CONFIG
+    # A rank killed while it still ran (no exit code in its last heartbeat) is the failure it always was.
+    running = {0: hb(0, step=60, phase="exited", exit_code=0), 1: hb(1, step=57, phase="train")}
+    assert classify.classify(1, text, running).reason == api.WORKER_SIGNAL
+
+
 def test_classify_prefers_the_killed_rank_over_its_collateral(tmp_path):
     # torchrun saw rank 0's "connection reset" first; the SIGKILLed rank 1 is the real cause.
     text = summary(rank=0, code=1, sig="", traceback="...",
