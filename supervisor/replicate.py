@@ -106,6 +106,11 @@ class LocalSaveReplaced(Exception):
     again): the copy starts over with the new save. No failure of the durable tier."""
 
 
+class LocalCopyDamaged(ValueError):
+    """A file of the local checkpoint does not match its manifest's checksum: the local tier's fault, not the
+    durable tier's. That step is set aside and the others are copied."""
+
+
 def _save_of(files: list[Any]) -> str:
     """What identifies one save across the nodes' parts (store.save_identity), from records or their dicts."""
     return store.save_identity(f if isinstance(f, store.FileRecord) else _record(f) for f in files)
@@ -229,14 +234,19 @@ class Replicator:
             log.info("not copying local step(s) %s to the durable tier: the ranks resumed from durable step %s, "
                      "before them", stale, resumed)
 
-    def drain(self, timeout_s: float) -> bool:
+    def drain(self, timeout_s: float, stop: Callable[[], float | None] = lambda: None) -> bool:
         """Wait until nothing is queued, `timeout_s` passed, or a copy failed once more while waiting (a durable
         tier that is down does not hold the exit for long); True when this node's part of every local
-        checkpoint newer than the durable tier's newest is there (the other nodes' may still be missing)."""
+        checkpoint newer than the durable tier's newest is there (the other nodes' may still be missing).
+        `stop()` gives the seconds left once the supervisor is asked to stop (None until then): a scheduler's
+        grace period does not wait for the whole copy."""
         deadline = time.monotonic() + timeout_s
         failures = self._failures
+        cut = False
         self._revisit(thorough=True)
         while time.monotonic() < deadline and self._failures == failures:
+            if not cut and (left := stop()) is not None:
+                cut, deadline = True, min(deadline, time.monotonic() + left)
             with self._lock:
                 empty = not self._queue
             if empty:
@@ -325,6 +335,8 @@ class Replicator:
                     self._replicate(step)
                 except LocalSaveReplaced as e:  # still queued: copied again, the new save
                     log.info("%s: copying the new save", e)
+                except LocalCopyDamaged as e:  # no news of the durable tier: the next step is copied at once
+                    self._damaged(step, e)
                 except Exception as e:  # every failure of the durable tier is the same news
                     failures += 1
                     self._failed(step, e)
@@ -382,6 +394,19 @@ class Replicator:
         if first:
             self.announce(f"cannot copy step {step} to the durable tier {self.durable_root}: {reason}; training goes "
                           "on with the local tier, and the copy is retried", "red")
+
+    def _damaged(self, step: int, error: LocalCopyDamaged) -> None:
+        """Set the damaged local step aside (no relaunch takes it from the local tier) and pass it over."""
+        local = self.local_root / store.step_dirname(step)
+        with self._lock:
+            self._queue.discard(step)
+            self._unusable.add(step)
+        try:
+            where = f"set aside as {store.quarantine(local, f'local copy damaged: {error}').name}"
+        except OSError as e:
+            where = f"could not be set aside ({e.strerror or e})"
+        self.announce(f"local step {step} is damaged ({error}): not copied to the durable tier, {where}; the "
+                      "other steps are copied", "red")
 
     def _recovered(self) -> None:
         if self.state.failing_since is not None:
@@ -504,7 +529,7 @@ class Replicator:
             raise
         if digest != rec.checksum:
             tmp.unlink(missing_ok=True)
-            raise ValueError(f"{src} does not match its manifest's checksum: the local copy is damaged")
+            raise LocalCopyDamaged(f"{src.name} does not match its manifest's checksum")
         ident = file_identity(tmp)
         with root_lock(self.durable_root, fcntl.LOCK_SH):  # never between a publish's checks and its rename
             os.replace(tmp, dest)

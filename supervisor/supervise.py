@@ -154,7 +154,18 @@ class Supervisor:
         if pending:
             self.console.event(f"copying local step(s) {pending} to the durable tier before exiting")
         limit = self.cfg.stop_timeout_s if self._stop_signal is not None else REPLICATION_DRAIN_S
-        if not self.replicator.drain(limit):
+        asked = self._stop_signal
+
+        def stop() -> float | None:  # a signal during the copy: it gets the stop's own time, no more
+            nonlocal asked
+            if asked is None and self._stop_signal is not None:
+                asked = self._stop_signal
+                self.console.event(f"{signal.Signals(asked).name}: copying for up to {self.cfg.stop_timeout_s:.0f}s "
+                                   "more, then exiting", style="yellow")
+                return self.cfg.stop_timeout_s
+            return None
+
+        if not self.replicator.drain(limit, stop):
             left = self.replicator.snapshot()
             self.console.event(f"the durable tier still lacks local step(s) {left['pending']} "
                                f"({left['last_error'] or 'still copying'}); `resilient run` again goes on copying",

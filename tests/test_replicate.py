@@ -70,6 +70,32 @@ def test_a_damaged_local_copy_is_never_vouched_for(tmp_path):
     assert not (tmp_path / "durable" / store.partial_dirname(20) / PARTS / "a.json").exists()
 
 
+def test_a_damaged_local_step_is_set_aside_and_the_others_are_copied(tmp_path):
+    """It was reported as a failing durable tier (which lets local retention delete uncopied steps after the outage
+    limit), and it ended the exit's copy of every other step."""
+    one_node = {"a": [0, 1]}
+    local_checkpoint(tmp_path / "local-a", 10, "a", one_node)
+    newest = local_checkpoint(tmp_path / "local-a", 20, "a", one_node)
+    data = newest / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[::-1])  # same size: only the copy's checksum finds it
+    said: list[tuple[str, str | None]] = []
+    r = Replicator(tmp_path / "local-a", tmp_path / "durable", "a", keep_local=2, keep=3, outage_s=3600.0,
+                   announce=lambda text, style: said.append((text, style)))
+    r.start()
+    try:
+        assert r.drain(30.0)
+    finally:
+        r.stop()
+    assert store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True).valid
+    assert r.state.failing_since is None and r.state.last_error is None
+    aside = newest.with_name(newest.name + store.QUARANTINE_SUFFIX)
+    assert not newest.exists()
+    assert store.quarantine_reason(aside) == "local copy damaged: __0_0.distcp does not match its manifest's checksum"
+    assert said[0] == ("local step 20 is damaged (__0_0.distcp does not match its manifest's checksum): not copied "
+                       "to the durable tier, set aside as step_000000020.quarantined; the other steps are copied",
+                       "red")
+
+
 def test_an_unwritable_durable_tier_is_retried_and_reported_and_local_copies_are_kept(tmp_path):
     (tmp_path / "durable").write_text("not a folder")  # every write under it fails
     for step in (10, 20, 30):

@@ -117,6 +117,23 @@ def test_the_local_tier_is_replicated_through_a_supervisor_kill_and_a_bad_local_
     assert not (local / store.SPARE_DIR).exists()
 
 
+def test_a_signal_during_the_exit_copy_cuts_it_to_the_stop_timeout(tmp_path):
+    """A finished run copies its last local checkpoints before leaving (up to 10 minutes): a SIGTERM then (a
+    scheduler's grace period) gives it stop_timeout_s more, not the rest (it was ignored: SIGKILL came mid-copy)."""
+    run_dir, local = tmp_path / "run", tmp_path / "local"
+    paused = child_env(RESILIENT_TEST_REPLICATE_PAUSE_S="600")
+    with started(run_job(run_dir, f"checkpoint.local_dir={local}", "stop_timeout_s=3", steps=40, sleep=0.0),
+                 tmp_path, env=paused, log=tmp_path / "sup.log") as sup:
+        wait_for(lambda: "to the durable tier before exiting" in sup.output(), 120, "the exit copy")
+        sup.signal(signal.SIGTERM)
+        code = sup.wait(30)
+        console = sup.output()
+    assert code == 0, console[-3000:]  # the job had finished: the signal cut only the copy
+    assert "SIGTERM: copying for up to 3s more, then exiting" in console, console[-3000:]
+    assert "`resilient run` again goes on copying" in console
+    assert valid_steps(local) == [20, 40] and valid_steps(run_dir / "checkpoints") == []
+
+
 def fill(disk: Path) -> Path:
     """Write a file until the disk is full; returns it."""
     filler = disk / "test-filler.bin"
