@@ -16,6 +16,23 @@ PAGE = 4096  # O_DIRECT's alignment for buffers, offsets and lengths (a multiple
 CHUNK = 64 << 20  # bytes per write and per hash update: few GIL acquisitions, bounded memory per call
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it: another thread creating a file meanwhile
+    would get the wrong mode)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    old = os.umask(0o022)  # no /proc: at import, before this process's threads start
+    os.umask(old)
+    return old
+
+
+# A new file's mode, as open() would give it: mkstemp's 0600 made a checkpoint's marker unreadable to another
+# account (an eval job) that could read its data files.
+FILE_MODE = 0o666 & ~_umask()
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a directory's entries (creations, renames) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -25,7 +42,7 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True, private: bool = False) -> None:
     """Write `data` to `path` so readers see the old file or the new one, never a torn one.
 
     Args:
@@ -33,10 +50,12 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = 
         data: the whole new content.
         durable: fsync the file and its folder, so the write survives a power cut. State files that are
             rewritten every second pass False: losing the last one costs nothing.
+        private: readable by this account only (0600), as for a job's environment; else the umask's mode.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o600 if private else FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if durable:
@@ -53,10 +72,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = 
         fsync_dir(path.parent)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any, *, durable: bool = True) -> None:
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, durable: bool = True, private: bool = False) -> None:
     """`atomic_write_bytes` of `obj` as indented JSON."""
     data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
-    atomic_write_bytes(path, data, durable=durable)
+    atomic_write_bytes(path, data, durable=durable, private=private)
 
 
 def file_identity(path: str | os.PathLike) -> list[int] | None:

@@ -121,7 +121,8 @@ class Supervisor:
                 prepare(self.cfg)
             self.layout.node_dir.mkdir(parents=True, exist_ok=True)
             job = self.cfg.to_dict(relative_to=self.cfg.run_dir)
-            atomic_write_json(self.layout.job_file, {"schema_version": 1, "job": job}, durable=False)
+            # private: its env may hold a token (the checkpoints and state files are readable as the umask says)
+            atomic_write_json(self.layout.job_file, {"schema_version": 1, "job": job}, durable=False, private=True)
         except BaseException as e:  # the helpers prepare() started go too; a full run dir is said as one
             self._close_launcher()
             if isinstance(e, OSError) and e.errno in NO_ROOM:

@@ -303,3 +303,19 @@ def test_only_ascii_digits_name_a_step_and_impossible_marker_values_are_corrupt(
     info = store.inspect(path)
     assert info.status is Status.CORRUPT and "malformed" in info.reason, info
     assert store.iso(1e20) == "?" and store.iso(float("nan")) == "?"
+
+
+def test_a_committed_checkpoint_is_readable_as_the_umask_says_and_the_job_file_stays_private(tmp_path):
+    """The marker was written 0600 (mkstemp) beside 0644 data files: another account (an eval job) saw every
+    checkpoint as unreadable. The job file keeps 0600: its env may hold a token."""
+    import os
+    import stat
+
+    from supervisor.fsutil import FILE_MODE, atomic_write_json
+
+    partial = store.begin(tmp_path, 10)
+    (partial.path / "data.bin").write_bytes(b"x" * 10)
+    final = partial.commit(1, store.describe_files(partial.path, ["data.bin"]))
+    assert stat.S_IMODE(os.stat(final / store.MARKER).st_mode) == FILE_MODE  # 0644 under the usual umask
+    atomic_write_json(tmp_path / "job.json", {"env": {"TOKEN": "x"}}, private=True)
+    assert stat.S_IMODE(os.stat(tmp_path / "job.json").st_mode) == 0o600
