@@ -25,6 +25,7 @@ from typing import Any
 
 from supervisor import layout, lock
 from supervisor.fsutil import atomic_write_json, read_json
+from supervisor.protocol import last_logged_step
 
 SCHEMA_VERSION = 1
 
@@ -144,6 +145,20 @@ class NodeRead:
     record: RunRecord | None
     error: StateFileError | None
     alive: bool
+
+
+def close_lost_attempt(rec: RunRecord, node_dir: Path) -> None:
+    """The record of a supervisor that died (kill -9, a lost node) ends its last attempt open: close it at the
+    supervisor's last word, at the last step the ranks logged (they train on until torchrun's SIGTERM)."""
+    from supervisor import api  # api imports this module
+
+    last = rec.history[-1] if rec.history else None
+    if last is None or last.ended_at is not None:
+        return
+    last.ended_at = rec.updated_at
+    last.step_at_failure = last_logged_step(layout.RunLayout(node_dir).step_log(last.attempt))
+    last.reason = api.SUPERVISOR_LOST
+    last.detail = f"the supervisor (pid {rec.supervisor.get('pid')}) died during this attempt"
 
 
 def read_nodes(files: list[Path]) -> list[NodeRead]:

@@ -39,7 +39,6 @@ from supervisor.protocol import (
     Handover,
     SaveRecord,
     StepRecord,
-    last_logged_step,
     write_control,
 )
 from supervisor.rdzv import Generations, run_id
@@ -593,12 +592,8 @@ class Supervisor:
         if prev is not None:  # a rerun keeps the history, so status tells the whole story
             rec.history, rec.step, rec.last_checkpoint_step = prev.history, prev.step, prev.last_checkpoint_step
             rec.quarantined = prev.quarantined
-            last = rec.history[-1] if rec.history else None
-            if last is not None and last.ended_at is None:  # its supervisor died (kill -9, node lost)
-                last.ended_at = prev.updated_at
-                last.step_at_failure = last_logged_step(self.layout.step_log(last.attempt))
-                last.reason = api.SUPERVISOR_LOST
-                last.detail = f"the supervisor (pid {prev.supervisor.get('pid')}) died during this attempt"
+            # Its supervisor died (kill -9, a lost node): the attempt it left open is closed from its own node's files.
+            state.close_lost_attempt(prev, RunLayout(self.cfg.run_dir, prev.node).node_dir)
             rec.accounting, rec.restarts = prev.accounting, prev.restarts
         rec.supervisor = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time(),
                           "version": __version__}

@@ -205,6 +205,14 @@ def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path
         wait_for(lambda: not [p for p in sup.alive_descendants() if p.pid != sup.pid], 10, "torchrun to exit")
     finally:
         sup.kill_all()
+    # Before any rerun, status tells where the ranks left the run, not the dead supervisor's last snapshot (it
+    # showed the ranks training steps back, an older checkpoint, and the attempt as still running).
+    doc = status(run_dir)
+    newest = store.latest_valid(run_dir / "checkpoints")
+    assert doc["state"] == "stopped" and doc["history"][-1]["reason"] == "supervisor_lost", doc
+    assert doc["last_checkpoint_step"] == newest.step, (doc["last_checkpoint_step"], newest.step)
+    assert doc["step"] == max(r["step"] for r in doc["ranks"]) >= newest.step, doc["ranks"]
+    assert {r["phase"] for r in doc["ranks"]} == {"exited"}, doc["ranks"]
     with started(run_job(run_dir, steps=150, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup2:
         assert sup2.wait(RUN_TIMEOUT) == 0, sup2.output()[-3000:]
     doc = status(run_dir)

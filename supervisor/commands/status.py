@@ -11,7 +11,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from supervisor import layout, render, state, targets, timeline
+from supervisor import layout, protocol, render, state, store, targets, timeline
 from supervisor.errors import ExitCode, ResilientError, UsageError
 from supervisor.state import RunRecord, RunState
 
@@ -217,6 +217,27 @@ def replication_lines(node: NodeStatus, now: float, *, named: bool) -> list[Text
     return out
 
 
+def settle_orphan(rec: RunRecord, node_dir: Path, root: Path) -> None:
+    """A supervisor killed with -9 never wrote its last word, and its ranks went on without it (torchrun's SIGTERM:
+    they checkpoint and exit). What they left says where the run is: their last heartbeats and step log, the
+    newest valid checkpoint on disk. Shown, not written: `resilient run` again records the same."""
+    state.close_lost_attempt(rec, node_dir)
+    beats = protocol.read_heartbeats(layout.RunLayout(node_dir).heartbeat_dir(rec.attempt))
+    for r in rec.ranks:
+        hb = beats.get(r.get("rank"))
+        if hb is not None and hb.time >= (r.get("heartbeat_at") or 0.0):
+            r.update(step=hb.step, phase=hb.phase, heartbeat_at=hb.time)
+    last = rec.history[-1] if rec.history else None
+    steps = [s for s in (rec.step, last.step_at_failure if last else None, *(hb.step for hb in beats.values()))
+             if s is not None]
+    rec.step = max(steps, default=None)
+    newest = store.latest_valid(root)
+    if newest is not None and (rec.last_checkpoint_step is None or newest.step > rec.last_checkpoint_step):
+        rec.last_checkpoint_step = newest.step
+    rec.message = rec.message or (f"the supervisor (pid {rec.supervisor.get('pid')}) is gone; `resilient run` "
+                                  "again resumes from the newest valid checkpoint")
+
+
 def collect(target: str | None) -> StatusResult:
     t = targets.resolve(target)
     files = targets.state_files(t)
@@ -230,6 +251,8 @@ def collect(target: str | None) -> StatusResult:
                    "and starts the run's record afresh, its checkpoints read as always" if damaged else
                    "was it written by a newer resilient?")
             raise UsageError(f"{n.error}; {why}")
+        if not n.alive and not n.record.state.final:
+            settle_orphan(n.record, n.node_dir, t.checkpoint_root)
         nodes.append(NodeStatus(n.record, n.node_dir, n.alive))
     for n, gone in zip(nodes, state.retired([(n.record, n.supervisor_alive) for n in nodes]), strict=True):
         n.retired = gone
