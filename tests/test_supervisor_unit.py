@@ -739,7 +739,7 @@ def test_a_run_dir_with_no_room_for_the_job_file_stops_with_one_sentence_and_clo
         def __call__(self, cfg, spec, handover):
             calls.append("launch")
 
-    def full(path, doc, durable=True):
+    def full(path, doc, **_):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr("supervisor.commands.run.make_launcher", Launcher)
