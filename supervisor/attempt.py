@@ -24,7 +24,15 @@ from supervisor import api, classify, evidence, ranklogs, rdzv, store
 from supervisor.api import AttemptOutcome, AttemptSpec
 from supervisor.config import JobConfig
 from supervisor.console import EventConsole
-from supervisor.protocol import CommitRecord, Handover, Heartbeat, LogRecord, StepLogReader, read_heartbeats
+from supervisor.protocol import (
+    EXIT_PREEMPTED,
+    CommitRecord,
+    Handover,
+    Heartbeat,
+    LogRecord,
+    StepLogReader,
+    read_heartbeats,
+)
 from supervisor.state import AttemptRecord, RunRecord
 from supervisor.watch import NO_HEARTBEAT, SILENT, STALL_FLOOR_BEATS, Hang, RankWatch
 
@@ -186,6 +194,7 @@ class Attempt:
         """torchrun exited: classify from its summary, the ranks' last heartbeats and their logs."""
         heartbeats = read_heartbeats(self.spec.heartbeat_dir) or heartbeats
         ranklogs.link(self.spec.logs_dir, heartbeats)
+        self._follow_resume(current_group(heartbeats))  # ranks that ended between two polls
         self.listener.on_records(self._steps.poll(), self.rec)
         self._update_ranks(heartbeats, watch, self.clock())
         oom_after = oom_kills()
@@ -311,7 +320,9 @@ class Attempt:
         # Only ranks that got as far as training have loaded anything (one that died first says None), and only
         # their words count: a peer's beat on disk may predate its load (the kill campaign caught rank 1 training
         # while rank 0's last beat still had no tier, and the attempt was recorded without one).
-        trained = [hb for hb in heartbeats.values() if hb.phase in ("train", "save")]
+        # A rank that exited finished or preempted had loaded too (a resume at the last step ends at once).
+        trained = [hb for hb in heartbeats.values() if hb.phase in ("train", "save") or (
+            hb.phase == "exited" and hb.exit_code in (0, EXIT_PREEMPTED))]
         loaded = {hb.resumed_from for hb in trained}
         if len(loaded) != 1 or self._resume_noted:
             return

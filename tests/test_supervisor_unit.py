@@ -886,3 +886,36 @@ def test_a_stop_accounts_for_ranks_that_outlive_torchrun(tmp_path):
     assert outcome.reason == api.STOPPED and outcome.step == 55, outcome
     assert handle.signalled[0] == signal.SIGTERM
     assert {(r["rank"], r["step"], r["phase"]) for r in run.ranks} == {(0, 55, "exited"), (1, 55, "exited")}
+
+
+def test_ranks_that_resume_at_the_last_step_and_end_at_once_are_followed_to_the_step_they_loaded(tmp_path):
+    """Handed the durable step 280 and local step 400, the ranks took 400 from the local tier and finished there
+    before any poll saw them train: the history said resumed from 280 and goodput charged 120 steps as lost."""
+    from types import SimpleNamespace
+
+    from supervisor.api import AttemptSpec
+    from supervisor.attempt import Attempt
+    from supervisor.config import load_job
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\n")
+    cfg = load_job(str(job), [])
+    logs, hb_dir = tmp_path / "logs" / "attempt_2", tmp_path / "hb"
+    hb_dir.mkdir()
+    for rank in (0, 1):
+        write_heartbeat(hb_dir, Heartbeat(rank, 100 + rank, attempt=2, world_size=2, step=400, phase="exited",
+                                          started_at=time.time(), exit_code=0, exit_reason="finished",
+                                          resumed_from=400, resumed_tier="local",
+                                          resumed_why="every node holds step 400 whole"))
+    spec = AttemptSpec(2, 280, None, logs, hb_dir, tmp_path / "steps.jsonl", tmp_path / "control.json")
+    resumed = []
+    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a: None, on_tick=lambda: None,
+                               on_resumed=lambda *a: resumed.append(a[:2]), stop_signal=lambda: None)
+    console = SimpleNamespace(event=lambda text, style=None: None)
+    rec = state.AttemptRecord(attempt=2, started_at=0.0, resumed_from_step=280)
+    run = state.RunRecord(name="demo", run_dir=".", checkpoint_dir=str(tmp_path / "checkpoints"))
+    handover = Handover(ckpt_local_dir=str(tmp_path / "local"), resume_step=280, local_resume_step=400)
+    outcome = Attempt(cfg, spec, handover, lambda *a: FakeHandle(logs / "torchrun.log"), console, rec, run,
+                      listener).run()
+    assert outcome.reason == api.FINISHED, outcome
+    assert (rec.resumed_from_step, rec.resumed_tier) == (400, "local") and resumed == [(400, "local")]
