@@ -154,6 +154,19 @@ def test_gc_names_a_local_tier_outside_the_run_dir_before_deleting_in_it(tmp_pat
     assert lines[0] == f"checkpoint root {run_dir / 'checkpoints'}" and f"local tier of node a: {nvme}" in lines
 
 
+def test_gc_refuses_a_local_tier_given_on_its_own(tmp_path, cli):
+    """A local tier given as TARGET: gc knew nothing of the durable tier and would delete a step it has no copy of
+    (the run dir's gc keeps those)."""
+    nvme = tmp_path / "nvme"
+    for step in (1, 2):
+        partial = store.begin(nvme, step)
+        (partial.path / "data").write_bytes(b"x" * 100)
+        partial.commit(1, store.describe_files(partial.path, ["data"]), extra={"tier": "local", "node": "a"})
+    r = cli("gc", nvme, "--keep", "1")
+    assert r.exit_code == 2 and "is a node's local checkpoint tier; nothing was removed" in r.stderr, r.output
+    assert [i.step for i in store.scan(nvme) if i.valid] == [1, 2]
+
+
 def test_gc_verify_keeps_an_older_whole_checkpoint_when_the_newest_has_a_flipped_byte(tmp_path, cli, monkeypatch):
     """Sizes alone (the default) cannot see a flipped byte in a large shard: gc would keep the damaged newest and
     delete the older whole one. With --verify the kept ones are read to the last byte first, before gc takes the

@@ -96,6 +96,10 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local
         raise UsageError(f"--keep {keep}: keep at least 1 (the newest valid checkpoint is never deleted).")
     t = targets.resolve(target)
     root = t.existing_root()
+    if root is not None and _local_tier(root):
+        raise UsageError(f"{root} is a node's local checkpoint tier; nothing was removed. gc it through its run "
+                         "dir, `resilient gc RUN_DIR --keep N --keep-local M`, which never deletes a local "
+                         "checkpoint the durable tier has no copy of.")
     # The folder comes first, before anything is deleted: a copied run dir may share an outside root.
     named = t.root_note()  # outside the run dir, or reached through a link: said under --json too
     note = named or f"checkpoint root {t.checkpoint_root}"
@@ -114,6 +118,12 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local
             deep.read(store.scan(lroot), keep_local)
     with _replication_paused(root) if root is not None and not dry_run else contextlib.nullcontext():
         return _collect(t, root, keep, dry_run, as_json, keep_local, deep)
+
+
+def _local_tier(root: Path) -> bool:
+    """`root` holds a node's local tier (its checkpoints say so): only its run dir knows which have a durable copy."""
+    return any(i.valid and i.manifest is not None and i.manifest.extra.get("tier") == "local"
+               for i in store.scan(root))
 
 
 @contextlib.contextmanager
