@@ -102,7 +102,8 @@ def run(
 def status(
     target: Optional[str] = TARGET,  # noqa: UP045
     as_json: bool = JSON,
-    watch: bool = typer.Option(False, "--watch", help="Keep refreshing until the run ends (Ctrl-C to leave)."),
+    watch: bool = typer.Option(False, "--watch", help="Keep refreshing until the run ends (Ctrl-C to leave); into "
+                               "a file or pipe, or with --json (a document a line), a snapshot a second."),
     plot: Optional[str] = typer.Option(  # noqa: UP045
         None, "--plot", metavar="FILE.png", help="Also draw the run's timeline to this PNG."),
     wait_ranks: bool = typer.Option(

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from supervisor import state, store
 from supervisor.lock import RunLock
 from tests.ckpt_helpers import flip_byte, truncate, write_checkpoint
@@ -230,6 +232,28 @@ def test_status_watch_returns_when_the_run_is_over(tmp_path, cli):
     _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=60)
     r = cli("status", tmp_path, "--watch")
     assert r.exit_code == 0 and "tiny" in r.stdout and "succeeded" in r.stdout
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_status_watch_into_a_pipe_prints_a_snapshot_each_second_until_the_run_ends(tmp_path, cli, as_json):
+    """rich's live view draws nothing into a file or pipe until the end (a reviewer's file stayed empty for the
+    whole run); --watch --json ignored --watch."""
+    import threading
+
+    _state_file(tmp_path, state=state.RunState.RUNNING, step=10)
+    with RunLock(tmp_path):
+        ends = threading.Timer(1.5, lambda: _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=60))
+        ends.start()
+        try:
+            r = cli("status", tmp_path, "--watch", *(["--json"] if as_json else []))
+        finally:
+            ends.join()
+    assert r.exit_code == 0, r.output
+    if as_json:
+        states = [json.loads(line)["state"] for line in r.stdout.splitlines()]
+        assert states[0] == "running" and states[-1] == "succeeded" and len(states) >= 2, states
+    else:
+        assert r.stdout.count("tiny — running") >= 1 and r.stdout.count("tiny — succeeded") == 1, r.stdout
 
 
 def test_inspect_and_gc_show_and_act_on_both_tiers(tmp_path, cli):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,6 +311,8 @@ def main(target: str | None, as_json: bool, watch: bool, *, plot: str | None = N
             raise UsageError(f"--plot {plot}: cannot write it ({e.strerror or e}); pass a PNG path you can "
                              "write.") from None
         render.err.print(f"timeline written to {out}")
+    if watch and (as_json or not render.out.is_terminal):
+        return _watch_lines(target, result, as_json, interval_s)
     if as_json:
         render.print_json(result.to_json())
         return ExitCode.OK
@@ -323,3 +327,20 @@ def main(target: str | None, as_json: bool, watch: bool, *, plot: str | None = N
             result = collect(target)
             live.update(result.renderable())
     return ExitCode.OK
+
+
+def _watch_lines(target: str | None, result: StatusResult, as_json: bool, interval_s: float) -> int:
+    """--watch into a file or a pipe (rich's live view draws nothing there until the end), or with --json: one
+    snapshot per interval until the run ends, a JSON document per line with --json."""
+    while True:
+        if as_json:
+            sys.stdout.write(json.dumps(result.to_json()) + "\n")
+            sys.stdout.flush()
+        else:
+            render.out.print(result.renderable())
+            render.out.print()
+            render.out.file.flush()
+        if result.primary.effective_state.final:
+            return ExitCode.OK
+        time.sleep(interval_s)
+        result = collect(target)
