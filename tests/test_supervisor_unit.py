@@ -919,3 +919,30 @@ def test_ranks_that_resume_at_the_last_step_and_end_at_once_are_followed_to_the_
                       listener).run()
     assert outcome.reason == api.FINISHED, outcome
     assert (rec.resumed_from_step, rec.resumed_tier) == (400, "local") and resumed == [(400, "local")]
+
+
+def test_run_refuses_a_run_dir_that_holds_another_jobs_run(tmp_path, cli, monkeypatch):
+    """Another job in a run dir resumed from checkpoints of another model: every attempt failed to load them and
+    the restart budget went (a reviewer's run). A renamed job is let in with --set name=..."""
+    launched = []
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launched.append(1))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "job.json").write_text(json.dumps({"schema_version": 1, "job": {"name": "tiny-cpu"}}))
+    job = tmp_path / "job.yaml"
+    job.write_text("name: my-script\nentrypoint: {module: train_entry}\n")
+    result = cli("run", job, "--run-dir", run_dir)
+    assert result.exit_code == 2 and launched == [], result.output
+    assert result.stderr == (f"resilient: {run_dir} holds the run of job 'tiny-cpu' (its job.json), not 'my-script'; "
+                             "nothing was launched. Give this job a run dir of its own (--run-dir), or, if it is the "
+                             "same job renamed, run it with --set name=tiny-cpu.\n")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["job.json"]
+
+
+def test_run_says_a_run_dir_that_is_a_file_is_not_a_folder_without_asking_to_remount_it(tmp_path, cli):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\n")
+    (tmp_path / "file").write_text("")
+    result = cli("run", job, "--run-dir", tmp_path / "file")
+    assert result.exit_code == 2 and "not a folder" in result.stderr and "remount" not in result.stderr, result.output
+    assert result.stderr.rstrip().endswith("nothing was launched. Pick another --run-dir."), result.stderr

@@ -19,7 +19,7 @@ from supervisor import state
 from supervisor.config import NAME_RE, JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, UsageError
-from supervisor.fsutil import write_problem
+from supervisor.fsutil import read_json, write_problem
 from supervisor.layout import RunLayout, inside
 from supervisor.lock import RootClaim, RunLock
 
@@ -72,8 +72,22 @@ def check_writable(cfg: JobConfig, layout: RunLayout) -> None:
                               (local, "the local checkpoint tier", "set checkpoint.local_dir to a writable folder")):
         problem = write_problem(folder) if folder is not None else None
         if problem is not None:
-            raise ConfigError(f"{folder}: {what} cannot be written ({problem}); nothing was launched. Make it "
-                              f"writable (remount it read-write), or {fix}.")
+            todo = fix[0].upper() + fix[1:] if "not a folder" in problem else \
+                f"Make it writable (remount it read-write), or {fix}"
+            raise ConfigError(f"{folder}: {what} cannot be written ({problem}); nothing was launched. {todo}.")
+
+
+def check_same_job(cfg: JobConfig, layout: RunLayout) -> None:
+    """A run dir holds one job's run: another job's would resume from checkpoints of another model (each attempt
+    failing to load them, the restart budget spent) and mix two histories. Exit 2 before anything runs."""
+    try:
+        recorded = read_json(layout.job_file)["job"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or damaged: the supervisor writes it afresh
+        return
+    if isinstance(recorded, str) and recorded != cfg.name:
+        raise ConfigError(f"{layout.run_dir} holds the run of job {recorded!r} (its {layout.job_file.name}), not "
+                          f"{cfg.name!r}; nothing was launched. Give this job a run dir of its own (--run-dir), or, "
+                          f"if it is the same job renamed, run it with --set name={recorded}.")
 
 
 def node_name(cfg: JobConfig, node: str | None) -> str | None:
@@ -183,6 +197,7 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     check_entrypoint(cfg)
     layout = RunLayout(cfg.run_dir, node_name(cfg, node))
     check_writable(cfg, layout)
+    check_same_job(cfg, layout)
     local = cfg.checkpoint.local_root(layout.node_name)
     # A single-node job given a node name (--node, RESILIENT_NODE) holds the run dir too: another one there, named
     # or not, would be a second job writing the same checkpoints, not a second node of this one.
