@@ -272,13 +272,16 @@ class Attempt:
             hb = heartbeats.get(r["rank"])
             if hb is not None:
                 r.update(step=hb.step, phase=hb.phase, heartbeat_at=hb.time)
-        saved = store.latest_valid(self.cfg.checkpoint.dir)
+        saved, tier = store.latest_valid(self.cfg.checkpoint.dir), ""
+        if self.handover.ckpt_local_dir:  # the stop's checkpoint is committed locally, copied to the durable tier later
+            local = store.latest_valid(self.handover.ckpt_local_dir)
+            if local is not None and (saved is None or local.step > saved.step):
+                saved, tier = local, " (in the local tier)"
         how = "torchrun exited" if rc is not None else "the grace period ran out"
         missed = (f" (none at the stop step {step}: see the ranks' logs in {self.spec.logs_dir})"
-                  if step is not None and self.cfg.checkpoint.local_dir is None  # a local tier's is copied later
-                  and (saved is None or saved.step < step) else "")
+                  if step is not None and (saved is None or saved.step < step) else "")
         return AttemptOutcome(api.STOPPED, f"stopped by {name} ({how}); newest valid checkpoint: "
-                              f"{saved.step if saved else 'none'}{missed}", None, rc, step)
+                              f"{saved.step if saved else 'none'}{tier}{missed}", None, rc, step)
 
     # ---- following the ranks --------------------------------------------------------------------------
 

@@ -817,7 +817,7 @@ def test_a_torchrun_with_no_workers_is_a_rendezvous_only_where_it_has_one(tmp_pa
     logs = tmp_path / "logs" / "attempt_1"
     spec = AttemptSpec(1, None, None, logs, tmp_path / "hb", tmp_path / "steps.jsonl", tmp_path / "control.json")
     ticks = iter(range(10_000))
-    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a: None, on_tick=lambda: None,
+    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a, **k: None, on_tick=lambda: None,
                                on_resumed=lambda *a: None, stop_signal=lambda: None)
     handle = SilentTorchrun(logs / "torchrun.log")
     handle.pid = __import__("os").getpid()  # a live process for the evidence's facts
@@ -858,14 +858,17 @@ class TorchrunGoneBeforeItsRanks(FakeHandle):
         return []
 
 
-def test_a_stop_accounts_for_ranks_that_outlive_torchrun(tmp_path):
+@pytest.mark.parametrize("tier", [None, "local"])
+def test_a_stop_accounts_for_ranks_that_outlive_torchrun(tmp_path, tier):
     """The stop's ranks table and checkpoint note are from the ranks' last word once they have ended, not from
-    the last poll: CI once showed both ranks 'train' at the stop step when torchrun left before them."""
+    the last poll: CI once showed both ranks 'train' at the stop step when torchrun left before them. With a local
+    tier the stop's checkpoint is there (the note named an older durable one)."""
     from types import SimpleNamespace
 
     from supervisor.api import AttemptSpec
     from supervisor.attempt import Attempt
     from supervisor.config import load_job
+    from tests.ckpt_helpers import write_checkpoint
 
     job = tmp_path / "job.yaml"
     job.write_text("name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\n")
@@ -876,14 +879,22 @@ def test_a_stop_accounts_for_ranks_that_outlive_torchrun(tmp_path):
         write_heartbeat(hb_dir, Heartbeat(rank, 100 + rank, attempt=1, world_size=2, step=49, phase="train",
                                           time=time.time(), progress_at=time.time()))
     spec = AttemptSpec(1, None, None, logs, hb_dir, tmp_path / "steps.jsonl", tmp_path / "control.json")
-    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a: None, on_tick=lambda: None,
+    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a, **k: None, on_tick=lambda: None,
                                on_resumed=lambda *a: None, stop_signal=lambda: signal.SIGHUP)
     handle = TorchrunGoneBeforeItsRanks(logs / "torchrun.log", hb_dir)
     console = SimpleNamespace(event=lambda text, style=None: None)
     rec = state.AttemptRecord(attempt=1, started_at=0.0, resumed_from_step=None)
     run = state.RunRecord(name="demo", run_dir=".", checkpoint_dir=str(tmp_path / "checkpoints"))
-    outcome = Attempt(cfg, spec, Handover(), lambda *a: handle, console, rec, run, listener).run()
+    write_checkpoint(cfg.checkpoint.dir, 40)
+    local = tmp_path / "local"
+    if tier:
+        write_checkpoint(local, 55)
+    handover = Handover(ckpt_local_dir=str(local) if tier else None)
+    outcome = Attempt(cfg, spec, handover, lambda *a: handle, console, rec, run, listener).run()
     assert outcome.reason == api.STOPPED and outcome.step == 55, outcome
+    assert outcome.detail.endswith("newest valid checkpoint: 55 (in the local tier)" if tier else
+                                   "newest valid checkpoint: 40 (none at the stop step 55: see the ranks' logs in "
+                                   f"{logs})"), outcome.detail
     assert handle.signalled[0] == signal.SIGTERM
     assert {(r["rank"], r["step"], r["phase"]) for r in run.ranks} == {(0, 55, "exited"), (1, 55, "exited")}
 
@@ -909,7 +920,7 @@ def test_ranks_that_resume_at_the_last_step_and_end_at_once_are_followed_to_the_
                                           resumed_why="every node holds step 400 whole"))
     spec = AttemptSpec(2, 280, None, logs, hb_dir, tmp_path / "steps.jsonl", tmp_path / "control.json")
     resumed = []
-    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a: None, on_tick=lambda: None,
+    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a, **k: None, on_tick=lambda: None,
                                on_resumed=lambda *a: resumed.append(a[:2]), stop_signal=lambda: None)
     console = SimpleNamespace(event=lambda text, style=None: None)
     rec = state.AttemptRecord(attempt=2, started_at=0.0, resumed_from_step=280)
