@@ -215,6 +215,8 @@ class Replicator:
         with self._lock:
             self._queue.add(step)
             self._unusable.discard(step)  # a new save of a step number passed over before
+            if self.state.newest_local is None or step > self.state.newest_local:  # the lag status shows, now
+                self.state.newest_local, self.state.newest_local_at = step, time.time()
         self._wake.set()
 
     def pass_over_older_timeline(self, resumed: int | None, launched_at: float) -> None:

@@ -172,8 +172,15 @@ def test_status_says_which_local_steps_the_durable_tier_never_got(tmp_path, cli)
     _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=150, replication=rep.to_dict())
     text = cli("status", tmp_path).stdout
     assert "local step 140 · durable step 120 · lag 20 steps" in text
-    assert "copying [140] · 2 not copied (superseded)" in text
+    # No supervisor runs: nothing is being copied (it said "copying"), and a failure is told in the past.
+    assert "not copied yet [140] (`resilient run` again copies them) · 2 not copied (superseded)" in text
     assert json.loads(cli("status", tmp_path, "--json").stdout)["replication"]["superseded"] == 2
+    rep.failing_since, rep.last_error, rep.pending, rep.deleted_unreplicated = time.time(), "step 140: full", \
+        [100, 140], [100]
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=150, replication=rep.to_dict())
+    text = cli("status", tmp_path).stdout
+    assert "the durable tier was FAILING when the supervisor stopped: step 140: full" in text, text
+    assert "not copied yet [140]" in text  # 100 was deleted (the outage limit): not waiting for a copy
 
 
 def test_status_without_a_run_is_a_clean_message(tmp_path, cli):

@@ -547,3 +547,13 @@ def test_local_steps_of_a_timeline_left_behind_are_not_copied_ahead_of_the_new_o
     local_checkpoint(local, 60, "a", durable_ranks, salt="-new")  # ...and its step 60
     r.notify(60)
     assert r.snapshot()["pending"] == [40, 60] and r._unreplicated() == [40, 60]
+
+
+def test_a_commit_shows_in_the_lag_at_once_not_after_the_next_copy(tmp_path):
+    """status said `local step -` and no lag while the first copies were under way (the newest local step was read
+    only after a copy), the figure that says what a lost node would cost."""
+    r = replicator(tmp_path, "a")
+    r.notify(20)
+    r.notify(10)
+    snap = r.snapshot()
+    assert (snap["newest_local"], snap["lag_steps"], snap["pending"]) == (20, 20, [10, 20])

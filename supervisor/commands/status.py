@@ -204,15 +204,20 @@ def replication_lines(node: NodeStatus, now: float, *, named: bool) -> list[Text
         lag = f" · lag {r['lag_steps']} steps" + (f", {render.human_duration(r['lag_s'])}" if r.get("lag_s") else "")
     elif local is not None:
         lag = " · up to date"
-    pending = f" · copying {r['pending']}" if r.get("pending") else ""
+    deleted = set(r.get("deleted_unreplicated") or [])
+    waiting = [s for s in r.get("pending") or [] if s not in deleted]
+    pending = "" if not waiting else f" · copying {waiting}" if node.supervisor_alive else \
+        f" · not copied yet {waiting} (`resilient run` again copies them)"
     # The durable tier could not keep up with the saves: the replicator copied newer ones instead of these.
     skipped = f" · {r['superseded']} not copied (superseded)" if r.get("superseded") else ""
     out = [Text(f"tiers{who}  local step {'-' if local is None else local} · durable step "
                 f"{'-' if durable is None else durable}{lag}{pending}{skipped}")]
-    if r.get("failing_since"):
-        since = render.human_duration(now - r["failing_since"]) if node.supervisor_alive else "when it stopped"
-        out.append(Text(f"the durable tier is FAILING for {since}: {r.get('last_error')}; checkpoints exist only "
-                        "on this node's local tier", style="bold red"))
+    if r.get("failing_since") and node.supervisor_alive:
+        out.append(Text(f"the durable tier is FAILING for {render.human_duration(now - r['failing_since'])}: "
+                        f"{r.get('last_error')}; checkpoints exist only on this node's local tier", style="bold red"))
+    elif r.get("failing_since"):
+        out.append(Text(f"the durable tier was FAILING when the supervisor stopped: {r.get('last_error')}; the steps "
+                        "it lacks exist only on this node's local tier", style="bold red"))
     if r.get("deleted_unreplicated"):
         out.append(Text(f"deleted local step(s) {r['deleted_unreplicated']} that had no durable copy (the durable "
                         "tier failed longer than checkpoint.durable_outage_s)", style="bold red"))
