@@ -315,6 +315,21 @@ def test_inspect_and_gc_show_and_act_on_both_tiers(tmp_path, cli):
     assert sorted(p.name for p in nvme_b.iterdir()) == ["step_000000040"]
 
 
+def test_inspect_exits_0_when_only_a_local_tier_holds_what_a_run_resumes_from(tmp_path, cli):
+    """The durable tier has no whole checkpoint yet (a copy cut short), the local tier has one: the next run resumes
+    from it, and inspect said "no valid checkpoint" with exit 1."""
+    run_dir = tmp_path / "run"
+    write_checkpoint(run_dir / "checkpoints", 60, commit=False)
+    write_checkpoint(run_dir / "local", 60)
+    rec = state.RunRecord(name="tiers", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.SUCCEEDED,
+                          replication={"local_root": "local", "durable_root": "checkpoints"})
+    state.write(run_dir / "state.json", rec)
+    r = cli("inspect-checkpoint", run_dir)
+    assert r.exit_code == 0 and "no valid checkpoint yet; local tier: step 60" in r.stdout, r.output
+    (run_dir / "local" / "step_000000060" / "COMPLETE.json").unlink()
+    assert cli("inspect-checkpoint", run_dir).exit_code == 1
+
+
 def test_gc_deletes_a_finished_runs_spare_files_and_leaves_a_live_runs(tmp_path, cli):
     """The data files a run kept to write its next saves over (store.keep_spare) are the run's while it lives;
     after it, they are only memory taken (a local tier on tmpfs): gc frees them and says what they were."""

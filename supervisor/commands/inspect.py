@@ -34,7 +34,14 @@ class InspectResult:
         return self.checkpoints if self.step is None else [c for c in self.checkpoints if c.step == self.step]
 
     @property
+    def newest_local(self) -> int | None:
+        """The newest step valid in some node's local tier (a relaunch takes it when every node holds it)."""
+        return max((c.step for _, _, infos in self.local or [] for c in infos if c.valid), default=None)
+
+    @property
     def exit_code(self) -> ExitCode:
+        if self.selected is None and self.latest_valid is None:  # a local tier's is what a run resumes from
+            return ExitCode.OK if self.newest_local is not None else ExitCode.FAILED
         chosen = self.selected if self.selected is not None else self.latest_valid
         return ExitCode.OK if chosen is not None and chosen.valid else ExitCode.FAILED
 
@@ -56,11 +63,12 @@ class InspectResult:
     def render(self) -> None:
         if self.note:
             render.out.print(self.note, markup=False, soft_wrap=True)
-        if not self.checkpoints:
+        if not self.checkpoints and not any(infos for _, _, infos in self.local or []):
             render.out.print(f"{self.root}: no checkpoints yet.", markup=False)
             return
         latest = self.latest_valid
-        head = f"latest valid: step {latest.step}" if latest else "[red]no valid checkpoint[/]"
+        head = f"latest valid: step {latest.step}" if latest else "[red]no valid checkpoint[/]" \
+            if self.newest_local is None else f"no valid checkpoint yet; local tier: step {self.newest_local}"
         if self.selected is not None:
             head = f"step {self.selected.step}: {render.styled(self.selected.status.value)}; {head}"
         how = "checksums verified" if self.verified else "sizes checked; --verify reads every byte"
