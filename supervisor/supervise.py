@@ -78,6 +78,7 @@ class Supervisor:
     def __init__(self, cfg: JobConfig, layout: RunLayout, *, launcher: Launcher,
                  console: EventConsole | None = None, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.layout, self.launcher = cfg, layout, launcher
+        self._farewell: Callable[[dict[str, Any]], str] | None = None  # a finished run's last line, from its books
         self.console = console or EventConsole(cfg.name)
         self.clock = clock
         self.policy = RestartPolicy(cfg.restart, rendezvous_s=float(cfg.rdzv.conf.get("join_timeout", 600)))
@@ -138,6 +139,8 @@ class Supervisor:
                 self._drain_replication()
             self.accounting.end_session(time.time())
             self.save_state()
+            if self._farewell is not None:
+                self.console.event(self._farewell(self.record.accounting["summary"]), style="green")
 
     def _close_launcher(self) -> None:
         close = getattr(self.launcher, "close", None)
@@ -516,10 +519,10 @@ class Supervisor:
             self._settle()
             self.console.event(outcome.detail, style="yellow")
         self._transition(RunState.SUCCEEDED)
-        g = self.accounting.summary(time.time())
-        self.console.event(f"finished at step {outcome.step} after {len(self.record.history)} attempt(s), "
-                           f"{self.record.restarts} restart(s); goodput {g['goodput']:.1%}, "
-                           f"{g['lost_steps']} steps lost", style="green")
+        # Said once the session's books are closed (after the exit copy): the figures `status` then shows.
+        self._farewell = lambda g: (f"finished at step {outcome.step} after {len(self.record.history)} attempt(s), "
+                                    f"{self.record.restarts} restart(s); goodput {g['goodput']:.1%}, "
+                                    f"{g['lost_steps']} steps lost")
         return ExitCode.OK
 
     def _settle(self) -> None:

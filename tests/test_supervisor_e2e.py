@@ -215,8 +215,10 @@ def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path
     assert {r["phase"] for r in doc["ranks"]} == {"exited"}, doc["ranks"]
     with started(run_job(run_dir, steps=150, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup2:
         assert sup2.wait(RUN_TIMEOUT) == 0, sup2.output()[-3000:]
+        console = sup2.output()
     doc = status(run_dir)
     assert doc["state"] == "succeeded"
+    assert f"goodput {doc['goodput']:.1%}" in console, (doc["goodput"], console[-500:])  # the same books, closed
     assert [h["reason"] for h in doc["history"][attempt - 1:]] == ["supervisor_lost", "finished"], doc["history"]
     # The lost attempt's step is the last its step log records, and its ledger entry is closed.
     lost = doc["history"][attempt - 1]
