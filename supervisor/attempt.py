@@ -335,8 +335,9 @@ class Attempt:
         if self.rec.regroups:
             self.rec.regroups[-1]["resumed_from"] = step
         elif tier and self.handover.ckpt_local_dir:  # two tiers: the ranks chose one; the launch line named both
-            self.console.event(f"attempt {self.rec.attempt}: the ranks resumed from step {step} from the {tier} tier "
-                               f"({said.resumed_why})")
+            why = f" ({said.resumed_why})" if said.resumed_why else ""
+            self.console.event(f"attempt {self.rec.attempt}: the ranks resumed from step {step} from the {tier} "
+                               f"tier{why}")
             self.rec.resumed_from_step = step
         elif step != self.rec.resumed_from_step:
             self.console.event(f"attempt {self.rec.attempt}: the ranks resumed from step {step} (agreed across "

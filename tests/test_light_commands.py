@@ -498,3 +498,12 @@ def test_gc_names_the_folder_a_linked_checkpoint_root_leads_to(tmp_path, cli):
     assert r.exit_code == 0 and f"(a link to {elsewhere})" in r.stdout.splitlines()[0], r.output
     r = cli("gc", run_dir, "--keep", "1", "--json")
     assert f"(a link to {elsewhere})" in r.stderr, r.output
+
+
+def test_inspect_of_one_checkpoint_folder_with_another_step_is_one_sentence(tmp_path, cli):
+    """It silently reported the other step, not the folder given."""
+    write_checkpoint(tmp_path, 250)
+    folder = write_checkpoint(tmp_path, 300)
+    r = cli("inspect-checkpoint", folder, "--step", "250")
+    assert r.exit_code == 2 and f"{folder} is the checkpoint of step 300, not 250: drop --step" in r.stderr, r.output
+    assert cli("inspect-checkpoint", folder, "--step", "300").exit_code == 0

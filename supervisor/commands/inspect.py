@@ -145,6 +145,9 @@ def _verify_progress(paths: list[Path]) -> Progress | None:
 
 def collect(target: str | None, step: int | None, verify: bool) -> InspectResult:
     t = targets.resolve(target, allow_checkpoint=True)
+    if t.step is not None and step is not None and step != t.step:
+        raise UsageError(f"{target} is the checkpoint of step {t.step}, not {step}: drop --step, or give the "
+                         f"checkpoint root, `resilient inspect-checkpoint {t.checkpoint_root} --step {step}`.")
     if step is None:
         step = t.step
     root = t.existing_root()
