@@ -133,7 +133,8 @@ def inspect_checkpoint(
     verify: bool = typer.Option(False, "--verify", help="Re-read every byte against the recorded checksums."),
     as_json: bool = JSON,
 ) -> None:
-    """List checkpoints, each valid / incomplete / corrupt / unreadable with the reason (exit 0: one a run resumes from is valid)."""
+    """List checkpoints, each valid / incomplete / corrupt / unreadable with the reason (exit 0: one a run
+    resumes from is valid)."""
 
     def body() -> int:
         from supervisor.commands import inspect as inspect_cmd
