@@ -957,3 +957,13 @@ def test_run_says_a_run_dir_that_is_a_file_is_not_a_folder_without_asking_to_rem
     result = cli("run", job, "--run-dir", tmp_path / "file")
     assert result.exit_code == 2 and "not a folder" in result.stderr and "remount" not in result.stderr, result.output
     assert result.stderr.rstrip().endswith("nothing was launched. Pick another --run-dir."), result.stderr
+
+
+def test_run_says_a_rendezvous_backend_one_node_does_not_use(tmp_path, cli, monkeypatch):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\nrdzv: {backend: etcd}\n")
+    monkeypatch.setattr("supervisor.commands.run.make_launcher",
+                        lambda: lambda cfg, spec, handover: FakeHandle(spec.logs_dir / "torchrun.log"))
+    r = cli("run", job)
+    assert r.exit_code == 0 and "rdzv.backend etcd is not used: one node without rdzv.endpoint runs torchrun " \
+        "--standalone" in r.output, r.output

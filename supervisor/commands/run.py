@@ -205,6 +205,9 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     with whole_run or contextlib.nullcontext(), RunLock(layout.node_dir), RootClaim(cfg.checkpoint.dir, cfg.run_dir), \
             RootClaim(local, cfg.run_dir) if local is not None else contextlib.nullcontext():
         console = EventConsole(cfg.name)
+        if cfg.nnodes == "1" and cfg.rdzv.endpoint is None and cfg.rdzv.backend != "c10d":
+            console.event(f"rdzv.backend {cfg.rdzv.backend} is not used: one node without rdzv.endpoint runs "
+                          "torchrun --standalone", style="yellow")
         if not inside(cfg.checkpoint.dir, cfg.run_dir):
             console.event(f"checkpoint root {cfg.checkpoint.dir} (outside the run dir, as checkpoint.dir says)")
         reap_orphans(layout, cfg, console)
