@@ -161,6 +161,26 @@ def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
     assert "tiny" in text and "worker_signal" in text and "rank 1 killed by SIGKILL" in text
 
 
+def test_status_of_a_killed_supervisors_tiered_run_counts_the_stop_checkpoint_its_ranks_left_locally(tmp_path, cli):
+    """kill -9 of the supervisor: its ranks commit their stop checkpoint to the local tier. status said the older
+    step the dead supervisor last wrote, while a rerun resumes from the local one."""
+    from supervisor.replicate import ReplicationState
+
+    for step in (740, 750):
+        write_checkpoint(tmp_path / "checkpoints", step)
+    for step in (750, 760):
+        write_checkpoint(tmp_path / "local", step)
+    rep = ReplicationState("local", "checkpoints", newest_local=750, newest_local_at=time.time() - 5,
+                           newest_durable=750, newest_durable_at=time.time() - 5)
+    _state_file(tmp_path, state=state.RunState.RUNNING, step=755, last_checkpoint_step=750,
+                replication=rep.to_dict())
+    doc = json.loads(cli("status", tmp_path, "--json").stdout)
+    assert doc["state"] == "stopped" and doc["last_checkpoint_step"] == 760, doc
+    r = doc["replication"]
+    assert (r["newest_local"], r["newest_durable"], r["lag_steps"], r["pending"]) == (760, 750, 10, [760]), r
+    assert "not copied yet [760]" in cli("status", tmp_path).stdout
+
+
 def test_status_says_which_local_steps_the_durable_tier_never_got(tmp_path, cli):
     """A durable tier slower than the saves: the replicator copied the newest and skipped the rest; status says
     so in the tiers line and in --json."""

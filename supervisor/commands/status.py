@@ -15,6 +15,7 @@ from rich.text import Text
 
 from supervisor import layout, protocol, render, state, store, targets, timeline
 from supervisor.errors import ExitCode, ResilientError, UsageError
+from supervisor.replicate import ReplicationState
 from supervisor.state import RunRecord, RunState
 
 ENDED_GRACE_S = 10.0
@@ -224,10 +225,11 @@ def replication_lines(node: NodeStatus, now: float, *, named: bool) -> list[Text
     return out
 
 
-def settle_orphan(rec: RunRecord, node_dir: Path, root: Path) -> None:
+def settle_orphan(rec: RunRecord, node_dir: Path, root: Path, run_dir: Path) -> None:
     """A supervisor killed with -9 never wrote its last word, and its ranks went on without it (torchrun's SIGTERM:
     they checkpoint and exit). What they left says where the run is: their last heartbeats and step log, the
-    newest valid checkpoint on disk. Shown, not written: `resilient run` again records the same."""
+    newest valid checkpoint on disk, in the durable tier or this node's local one. Shown, not written: `resilient
+    run` again records the same."""
     state.close_lost_attempt(rec, node_dir)
     beats = protocol.read_heartbeats(layout.RunLayout(node_dir).heartbeat_dir(rec.attempt))
     for r in rec.ranks:
@@ -239,10 +241,32 @@ def settle_orphan(rec: RunRecord, node_dir: Path, root: Path) -> None:
              if s is not None]
     rec.step = max(steps, default=None)
     newest = store.latest_valid(root)
-    if newest is not None and (rec.last_checkpoint_step is None or newest.step > rec.last_checkpoint_step):
-        rec.last_checkpoint_step = newest.step
+    local = _settle_local_tier(rec, run_dir)
+    for found in (newest, local):
+        if found is not None and (rec.last_checkpoint_step is None or found.step > rec.last_checkpoint_step):
+            rec.last_checkpoint_step = found.step
     rec.message = rec.message or (f"the supervisor (pid {rec.supervisor.get('pid')}) is gone; `resilient run` "
                                   "again resumes from the newest valid checkpoint")
+
+
+def _settle_local_tier(rec: RunRecord, run_dir: Path) -> store.CheckpointInfo | None:
+    """The newest valid step of the node's local tier, where the ranks of a killed supervisor commit their stop
+    checkpoint; the tiers line is brought up to it (newest local step, lag, the steps not copied yet)."""
+    recorded = (rec.replication or {}).get("local_root")
+    if not isinstance(recorded, str) or not recorded:
+        return None
+    lroot = layout.resolved(recorded, run_dir, what=f"{run_dir}'s state file (replication.local_root)")
+    valid = [i for i in store.scan(lroot) if i.valid] if lroot.is_dir() else []
+    if not valid:
+        return None
+    fields = {k: v for k, v in rec.replication.items() if k in ReplicationState.__dataclass_fields__}
+    rep = ReplicationState(**fields)
+    if rep.newest_local is None or valid[-1].step > rep.newest_local:
+        rep.newest_local, rep.newest_local_at = valid[-1].step, valid[-1].created_at
+    durable = -1 if rep.newest_durable is None else rep.newest_durable
+    rep.pending = sorted(set(rep.pending) | {i.step for i in valid if i.step > durable})
+    rec.replication = rep.to_dict()
+    return valid[-1]
 
 
 def collect(target: str | None) -> StatusResult:
@@ -259,7 +283,7 @@ def collect(target: str | None) -> StatusResult:
                    "was it written by a newer resilient?")
             raise UsageError(f"{n.error}; {why}")
         if not n.alive and not n.record.state.final:
-            settle_orphan(n.record, n.node_dir, t.checkpoint_root)
+            settle_orphan(n.record, n.node_dir, t.checkpoint_root, run_dir)
         nodes.append(NodeStatus(n.record, n.node_dir, n.alive))
     for n, gone in zip(nodes, state.retired([(n.record, n.supervisor_alive) for n in nodes]), strict=True):
         n.retired = gone
