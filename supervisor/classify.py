@@ -126,8 +126,11 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
     step = max((hb.step for hb in heartbeats.values()), default=None)
     root, failures = parse_summary(torchrun_output)
     root, failures, after_exit = _by_last_word(root, failures, heartbeats)
-    if rc != 0 and after_exit and all(f.exit_code == 0 for f in failures):
-        rc = 0  # every failure torchrun saw was a rank that had finished, dying on its way out
+    finished = bool(heartbeats) and all(hb.phase == "exited" and hb.exit_code == 0 for hb in heartbeats.values())
+    if rc != 0 and after_exit and finished and all(f.exit_code == 0 for f in failures):
+        rc = 0  # every rank had finished; those torchrun saw fail were dying on their way out
+    if root is not None and root.exit_code == 0:  # finished, then died: not the cause of what failed
+        root = next((f for f in failures if f.exit_code != 0), None)
     if rc == 0:
         if any(hb.exit_reason == NO_FINISH for hb in heartbeats.values()):
             return AttemptOutcome(api.FINISHED, f"the ranks exited 0 without session.finish() at step {step}: the "

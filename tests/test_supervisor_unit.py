@@ -119,6 +119,15 @@ def test_a_rank_that_dies_in_teardown_after_its_exit_keeps_its_own_word():
     # A rank killed while it still ran (no exit code in its last heartbeat) is the failure it always was.
     running = {0: hb(0, step=60, phase="exited", exit_code=0), 1: hb(1, step=57, phase="train")}
     assert classify.classify(1, text, running).reason == api.WORKER_SIGNAL
+    # One that finished and died so is not the cause of another's real failure (rank 0 exited 1)...
+    failed = text.replace("exitcode  : 0 (pid: 15575)", "exitcode  : 1 (pid: 15575)")
+    out = classify.classify(1, failed, {**finished, 0: hb(0, step=60, phase="exited", exit_code=1)})
+    assert (out.reason, out.failed_rank, out.exit_code) == (api.WORKER_EXIT, 0, 1), out
+    # ...and an attempt is not finished while a rank torchrun did not list (it killed it) had not finished.
+    alone = text.replace("  rank      : 0 (local_rank: 0)\n  exitcode  : 0 (pid: 15575)",
+                         "  rank      : 1 (local_rank: 1)\n  exitcode  : -6 (pid: 15576)")
+    out = classify.classify(1, alone, {1: finished[1], 0: hb(0, step=60, phase="save")})
+    assert out.reason != api.FINISHED, out
 
 
 def test_classify_prefers_the_killed_rank_over_its_collateral(tmp_path):
