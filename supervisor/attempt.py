@@ -105,6 +105,7 @@ class Attempt:
         self._world: int | None = None
         self._resume_noted = False
         self._failed_seen_at = 0.0
+        self._stop_deadline: float | None = None  # a stop's grace ends then (monotonic)
 
     # ---- the lifecycle ----------------------------------------------------------------------------
 
@@ -119,7 +120,10 @@ class Attempt:
             # Ranks asked to stop may still be writing their checkpoint after torchrun is gone; a torchrun that
             # outlived the stop's grace has had it.
             stopping = outcome is not None and outcome.reason == api.STOPPED and outcome.exit_code is not None
-            survivors = handle.stop(grace_s=self.cfg.stop_timeout_s if stopping else HANG_STOP_GRACE_S)
+            # A stop's grace runs from its signal (_stop waited in it already): what is left of it, not a second one.
+            grace = max(0.0, self._stop_deadline - time.monotonic()) if stopping and self._stop_deadline else \
+                self.cfg.stop_timeout_s if stopping else HANG_STOP_GRACE_S
+            survivors = handle.stop(grace_s=grace)
             if survivors:
                 self.console.event(f"processes survived SIGKILL: {survivors}", style="red")
             handle.close()
@@ -250,7 +254,7 @@ class Attempt:
         """The supervisor was asked to stop: the ranks checkpoint at their step and exit (`rc`: torchrun had
         already exited, the ranks having had the same signal)."""
         name = signal.Signals(self.listener.stop_signal() or signal.SIGTERM).name
-        deadline = time.monotonic() + self.cfg.stop_timeout_s + 5
+        deadline = self._stop_deadline = time.monotonic() + self.cfg.stop_timeout_s + 5
         if rc is None:
             self.console.event(f"{name}: asking the ranks to checkpoint and stop (up to "
                                f"{self.cfg.stop_timeout_s:.0f}s)", style="yellow")

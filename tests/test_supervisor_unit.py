@@ -849,7 +849,11 @@ class TorchrunGoneBeforeItsRanks(FakeHandle):
 
     def __init__(self, log_path, heartbeat_dir):
         super().__init__(log_path, rc=None)
-        self.heartbeat_dir, self.looks, self.signalled = heartbeat_dir, 0, []
+        self.heartbeat_dir, self.looks, self.signalled, self.lingering, self.graces = heartbeat_dir, 0, [], False, []
+
+    def stop(self, grace_s):
+        self.graces.append(grace_s)
+        return []
 
     def wait(self, timeout):
         return 75 if self.signalled else None
@@ -859,7 +863,7 @@ class TorchrunGoneBeforeItsRanks(FakeHandle):
 
     def alive(self):
         self.looks += 1
-        if self.looks < 3:
+        if self.looks < 3 or self.lingering:
             return [object()]
         for rank in (0, 1):
             write_heartbeat(self.heartbeat_dir, Heartbeat(rank, 100 + rank, attempt=1, world_size=2, step=55,
@@ -976,3 +980,31 @@ def test_run_says_a_rendezvous_backend_one_node_does_not_use(tmp_path, cli, monk
     r = cli("run", job)
     assert r.exit_code == 0 and "rdzv.backend etcd is not used: one node without rdzv.endpoint runs torchrun " \
         "--standalone" in r.output, r.output
+
+
+def test_a_rank_that_outlives_the_stops_grace_gets_no_second_grace(tmp_path):
+    """The stop waits for the ranks up to its grace; the SIGKILL of what lingers comes then, not after another
+    whole stop_timeout_s (twice the grace overran a scheduler's kill wait)."""
+    from types import SimpleNamespace
+
+    from supervisor.api import AttemptSpec
+    from supervisor.attempt import Attempt
+    from supervisor.config import load_job
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\nstop_timeout_s: 1\n")
+    cfg = load_job(str(job), [])
+    logs, hb_dir = tmp_path / "logs" / "attempt_1", tmp_path / "hb"
+    hb_dir.mkdir()
+    spec = AttemptSpec(1, None, None, logs, hb_dir, tmp_path / "steps.jsonl", tmp_path / "control.json")
+    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a, **k: None, on_tick=lambda: None,
+                               on_resumed=lambda *a: None, stop_signal=lambda: signal.SIGTERM)
+    handle = TorchrunGoneBeforeItsRanks(logs / "torchrun.log", hb_dir)
+    handle.lingering = True
+    console = SimpleNamespace(event=lambda text, style=None: None)
+    rec = state.AttemptRecord(attempt=1, started_at=0.0, resumed_from_step=None)
+    run = state.RunRecord(name="demo", run_dir=".", checkpoint_dir=str(cfg.checkpoint.dir))
+    started = time.monotonic()
+    outcome = Attempt(cfg, spec, Handover(), lambda *a: handle, console, rec, run, listener).run()
+    assert outcome.reason == api.STOPPED and time.monotonic() - started < 6 + 1
+    assert handle.graces == [0.0] or handle.graces[0] < 0.5, handle.graces
