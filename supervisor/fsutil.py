@@ -7,30 +7,13 @@ import contextlib
 import errno
 import json
 import os
+import secrets
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any, Protocol
 
 PAGE = 4096  # O_DIRECT's alignment for buffers, offsets and lengths (a multiple of every logical block size)
 CHUNK = 64 << 20  # bytes per write and per hash update: few GIL acquisitions, bounded memory per call
-
-
-def _umask() -> int:
-    """The process's umask, read without setting it (os.umask sets it: another thread creating a file meanwhile
-    would get the wrong mode)."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    old = os.umask(0o022)  # no /proc: at import, before this process's threads start
-    os.umask(old)
-    return old
-
-
-# A new file's mode, as open() would give it: mkstemp's 0600 made a checkpoint's marker unreadable to another
-# account (an eval job) that could read its data files.
-FILE_MODE = 0o666 & ~_umask()
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -40,6 +23,18 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _new_temp(path: Path, mode: int) -> tuple[int, Path]:
+    """A new temp file beside `path`, created with `mode` as open() creates files: the kernel applies the umask
+    and a folder's default ACL (mkstemp's 0600 made a checkpoint's marker unreadable to another account, an
+    eval job, that could read its data files)."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), tmp
+        except FileExistsError:
+            continue
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True, private: bool = False) -> None:
@@ -53,9 +48,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = 
         private: readable by this account only (0600), as for a job's environment; else the umask's mode.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _new_temp(path, 0o600 if private else 0o666)
     try:
-        os.fchmod(fd, 0o600 if private else FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if durable:

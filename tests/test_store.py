@@ -311,11 +311,12 @@ def test_a_committed_checkpoint_is_readable_as_the_umask_says_and_the_job_file_s
     import os
     import stat
 
-    from supervisor.fsutil import FILE_MODE, atomic_write_json
+    from supervisor.fsutil import atomic_write_json
 
     partial = store.begin(tmp_path, 10)
     (partial.path / "data.bin").write_bytes(b"x" * 10)
     final = partial.commit(1, store.describe_files(partial.path, ["data.bin"]))
-    assert stat.S_IMODE(os.stat(final / store.MARKER).st_mode) == FILE_MODE  # 0644 under the usual umask
+    as_open = stat.S_IMODE(os.stat(final / "data.bin").st_mode)  # the umask's (and a default ACL's) mode
+    assert stat.S_IMODE(os.stat(final / store.MARKER).st_mode) == as_open  # 0644 under the usual umask
     atomic_write_json(tmp_path / "job.json", {"env": {"TOKEN": "x"}}, private=True)
     assert stat.S_IMODE(os.stat(tmp_path / "job.json").st_mode) == 0o600
