@@ -206,8 +206,9 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
 def _by_last_word(root: Failure | None, failures: list[Failure], heartbeats: dict[int, Heartbeat]
                   ) -> tuple[Failure | None, list[Failure], str]:
     """A rank whose last heartbeat gives its exit code, yet that torchrun saw die of a signal, died after its exit
-    call, in the interpreter's teardown: gloo's threads can abort a process there (SIGABRT, "terminate called
-    without an active exception"; pytorch/pytorch#179291). Its own word is the outcome (finished, preempted, a
+    call, in the interpreter's teardown (SIGABRT, "terminate called without an active exception": likely gloo's
+    threads, which can abort a process being torn down; pytorch/pytorch PR 179291, unmerged, describes it for a
+    process that skips destroy_process_group, which finish() calls). Its own word is the outcome (finished, preempted, a
     config error); the death is noted. Returns the failures with those codes replaced, and the note."""
     died = []
 
@@ -221,5 +222,5 @@ def _by_last_word(root: Failure | None, failures: list[Failure], heartbeats: dic
     failures = [word(f) for f in failures]
     root = None if root is None else next((f for f in failures if f.rank == root.rank), word(root))
     note = (f"; {', '.join(sorted(set(died)))} then died in Python's teardown, after its exit: not a failure "
-            "of training (pytorch/pytorch#179291)") if died else ""
+            "of training") if died else ""
     return root, failures, note

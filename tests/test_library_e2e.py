@@ -235,8 +235,8 @@ sd = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}  # coll
 code = session.finish(step, state)
 torch.save(sd, f"{out}.rank{session.rank}.pt")
 # Under plain torchrun, 3 of 66 runs of this script died of SIGABRT ("terminate called without an active
-# exception") in the interpreter's teardown, after finish() had returned and its checkpoint was committed (gloo's
-# exit crash, pytorch/pytorch#179291; one optimizer: 0 of 48). What is tested here is the resume: leave without
+# exception") in the interpreter's teardown, after finish() had returned and its checkpoint was committed (not
+# root-caused, likely gloo's threads at exit; one optimizer: 0 of 48). What is tested here is the resume: leave without
 # that teardown (the supervisor judges such a rank by its last heartbeat's exit code: test_supervisor_unit).
 sys.stdout.flush()
 sys.stderr.flush()

@@ -346,7 +346,11 @@ def test_inspect_exits_0_when_only_a_local_tier_holds_what_a_run_resumes_from(tm
     state.write(run_dir / "state.json", rec)
     r = cli("inspect-checkpoint", run_dir)
     assert r.exit_code == 0 and "no valid checkpoint yet; local tier: step 60" in r.stdout, r.output
-    (run_dir / "local" / "step_000000060" / "COMPLETE.json").unlink()
+    # A second node without step 60: no relaunch takes it from the local tiers.
+    rec.node, rec.replication = "b", {"local_root": "local-b", "durable_root": "checkpoints"}
+    (run_dir / "nodes" / "b").mkdir(parents=True)
+    state.write(run_dir / "nodes" / "b" / "state.json", rec)
+    write_checkpoint(run_dir / "local-b", 40)
     assert cli("inspect-checkpoint", run_dir).exit_code == 1
 
 
@@ -527,3 +531,14 @@ def test_inspect_of_one_checkpoint_folder_with_another_step_is_one_sentence(tmp_
     r = cli("inspect-checkpoint", folder, "--step", "250")
     assert r.exit_code == 2 and f"{folder} is the checkpoint of step 300, not 250: drop --step" in r.stderr, r.output
     assert cli("inspect-checkpoint", folder, "--step", "300").exit_code == 0
+
+
+def test_status_watch_into_a_reader_that_leaves_exits_0(tmp_path):
+    """`status --watch --json | head -1`: the reader has its line and goes; status exited 1 (failed), silently."""
+    _state_file(tmp_path, state=state.RunState.RUNNING, step=10)
+    cli_path = Path(sys.executable).with_name("resilient")
+    with RunLock(tmp_path):  # a live supervisor: the run never ends while status watches
+        out = subprocess.run(f"'{cli_path}' status '{tmp_path}' --watch --json | head -1; exit ${{PIPESTATUS[0]}}",
+                             shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and json.loads(out.stdout)["state"] == "running", (out.returncode, out.stderr)
+    assert out.stderr == ""

@@ -35,8 +35,9 @@ class InspectResult:
 
     @property
     def newest_local(self) -> int | None:
-        """The newest step valid in some node's local tier (a relaunch takes it when every node holds it)."""
-        return max((c.step for _, _, infos in self.local or [] for c in infos if c.valid), default=None)
+        """The newest step valid in every node's local tier: the one a relaunch takes from there."""
+        tiers = [{c.step for c in infos if c.valid} for _, _, infos in self.local or []]
+        return max(set.intersection(*tiers), default=None) if tiers else None
 
     @property
     def exit_code(self) -> ExitCode:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -361,15 +362,22 @@ def main(target: str | None, as_json: bool, watch: bool, *, plot: str | None = N
 def _watch_lines(target: str | None, result: StatusResult, as_json: bool, interval_s: float) -> int:
     """--watch into a file or a pipe (rich's live view draws nothing there until the end), or with --json: one
     snapshot per interval until the run ends, a JSON document per line with --json."""
-    while True:
-        if as_json:
-            sys.stdout.write(json.dumps(result.to_json()) + "\n")
+    try:
+        while True:
+            if as_json:
+                text = json.dumps(result.to_json()) + "\n"
+            else:
+                with render.out.capture() as shown:
+                    render.out.print(result.renderable())
+                text = shown.get() + "\n"
+            sys.stdout.write(text)
             sys.stdout.flush()
-        else:
-            render.out.print(result.renderable())
-            render.out.print()
-            render.out.file.flush()
-        if result.primary.effective_state.final:
-            return ExitCode.OK
-        time.sleep(interval_s)
-        result = collect(target)
+            if result.primary.effective_state.final:
+                return ExitCode.OK
+            time.sleep(interval_s)
+            result = collect(target)
+    except BrokenPipeError:  # `| head -1`: the reader has what it wanted; Python's own exit flush must not fail
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+        return ExitCode.OK
