@@ -27,7 +27,7 @@ import os
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -144,7 +144,7 @@ class Session:
         except ValueError as e:  # the script's setup, the same on every retry: EXIT_CONFIG, one sentence
             log.error("cannot start: %s (exit %d)", e, EXIT_CONFIG)
             beater.stop(phase="exited", exit_code=EXIT_CONFIG, exit_reason="config", saving_step=None)
-            sys.exit(EXIT_CONFIG)
+            leave_now(EXIT_CONFIG)  # a process group the script made itself is gloo's too
         pg_s = time.monotonic() - t_pg
         beater.update(world_size=ctx.world_size)
         durable = h.ckpt_dir or ckpt_dir or "checkpoints"
@@ -386,7 +386,7 @@ class Session:
         log.error("cannot %s: %s%s (exit %d)", doing, where, problem, EXIT_CONFIG)
         self.beater.stop(phase="exited", exit_code=EXIT_CONFIG, exit_reason="config", saving_step=None)
         dist.destroy_process_group()
-        sys.exit(EXIT_CONFIG)
+        leave_now(EXIT_CONFIG)
 
     # ---- every step ---------------------------------------------------------------------------------
 
@@ -587,6 +587,18 @@ class Session:
         finally:
             self.beater.stop(phase="exited", exit_code=EXIT_NAN, exit_reason="nan", saving_step=None)
         sys.exit(EXIT_NAN)
+
+
+def leave_now(code: int) -> NoReturn:
+    """Exit with `code` without the interpreter's teardown, where a process that has used gloo is at times aborted
+    (SIGABRT, "terminate called without an active exception", seen in the misuse tests under plain torchrun):
+    the signal death torchrun then reports would be retried as a fault, where `code` says retrying cannot help.
+    Logs and stdio are flushed first; atexit handlers do not run (nothing was trained)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def root_cause(error: BaseException) -> str:
