@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -132,3 +133,17 @@ def test_a_rerun_starts_from_what_the_run_measured_and_ignores_a_damaged_memory(
     damaged = IntervalTuner(prior_mtbf_s=200.0, min_steps=5, max_steps=10_000)
     damaged.restore({"step_dts": ["x", -1.0, True], "costs": [float("nan")], "persist": 3})
     assert not damaged.step_dts and not damaged.costs and not damaged.persist
+
+
+def test_the_interval_rises_with_the_save_cost_and_never_divides_by_a_zero_step_time():
+    """A cut-off at C = M/2 made a dearer save give a shorter interval; steps faster than the step log's 0.1 ms
+    resolution read as 0 s and the choice divided by them (the supervisor would have died)."""
+    costs = [i / 1000 for i in range(1, 3000)]
+    for restart in (0.0, 100.0):
+        t = [young_daly(c, 1.0, restart) for c in costs]
+        assert all(b >= a for a, b in itertools.pairwise(t)), restart
+        assert all(c <= x <= 1.0 for c, x in zip(costs, t, strict=True) if c <= 1.0)
+    tuner = IntervalTuner(3600.0, 1, 10_000)
+    tuner.step_dts.extend([0.0] * 10)
+    tuner.costs.append(0.01)
+    assert tuner.choose(100.0, 0, None).steps == 10_000  # bounded by max_steps, not a ZeroDivisionError
