@@ -268,3 +268,18 @@ def test_a_single_node_job_under_a_node_name_is_refused_while_another_supervisor
         result = cli("run", write(tmp_path, GOOD), "--run-dir", run_dir)
         assert result.exit_code == 3 and "held by another live supervisor" in result.stderr, result.output
     assert not (run_dir / "nodes").exists()
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_rdzv_store_stopped_by_a_signal_exits_as_the_exit_code_table_says(tmp_path, sig, code):
+    """SIGTERM gave 0, as if the store had done its work, where the table says 143."""
+    import signal
+
+    from tests.proc import free_port, started, wait_for
+    from tests.runs import resilient
+
+    with started(resilient("rdzv-store", "--host", "127.0.0.1", "--port", free_port()), tmp_path,
+                 log=tmp_path / "store.log") as store:
+        wait_for(lambda: "listening" in store.output(), 60, "the store")
+        store.signal(getattr(signal, sig))
+        assert store.wait(30) == code, store.output()

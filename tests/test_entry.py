@@ -231,14 +231,18 @@ def test_final_checkpoint_exports_to_a_single_torch_file(tmp_path):
     sd = torch.load(tmp_path / "model.pt", weights_only=False)
     assert sd["model"]["tok_emb.weight"].shape == (256, 64)  # whole: both ranks' shards of dim 0
     assert json.loads(sd["train"])["step"] == 12
-    # The easy slips (the root for a step, a folder that is not there) are one sentence each, not a traceback.
+    # The easy slips (the root for a step, a folder that is not there, a file inside this or another checkpoint,
+    # which an unlisted file makes corrupt) are one sentence each, not a traceback.
+    other = tmp_path / "checkpoints" / "step_000000005.partial"
+    other.mkdir()
     for args, words in (([tmp_path / "checkpoints", tmp_path / "m.pt"], f"e.g. {final.path}"),
                         ([final.path, tmp_path / "nowhere" / "m.pt"], "does not exist"),
-                        ([final.path, final.path / "model.pt"], "inside the checkpoint it exports")):
+                        ([final.path, final.path / "model.pt"], f"inside the checkpoint {final.path}"),
+                        ([final.path, other / "model.pt"], f"inside the checkpoint {other}")):
         out = subprocess.run([sys.executable, "-m", "train_entry.export", *map(str, args)], capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
-    assert store.inspect(final.path, deep=True).valid  # nothing was written into it
+    assert store.inspect(final.path, deep=True).valid and list(other.iterdir()) == []  # nothing was written there
 
 
 def test_proc_helper_kills_the_whole_tree(tmp_path):

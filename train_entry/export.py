@@ -62,10 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(out_dir):
         print(f"{args.out}: its folder {out_dir} does not exist; create it or name another file.", file=sys.stderr)
         return 2
-    real_ckpt = os.path.realpath(args.checkpoint)
-    if os.path.commonpath([os.path.realpath(out_dir), real_ckpt]) == real_ckpt:
-        print(f"{args.out}: inside the checkpoint it exports, where an unlisted file makes the checkpoint corrupt; "
-              "name a file outside it.", file=sys.stderr)
+    real_ckpt, real_out = os.path.realpath(args.checkpoint), os.path.realpath(out_dir)
+    # Inside this checkpoint or any other of its root (a step folder, a partial): an unlisted file there makes that
+    # checkpoint corrupt.
+    inside = next((d for d in (real_ckpt, *store.checkpoint_dirs(os.path.dirname(real_ckpt), quarantined=True))
+                   if os.path.commonpath([real_out, os.path.realpath(d)]) == os.path.realpath(d)), None)
+    if inside is not None:
+        print(f"{args.out}: inside the checkpoint {inside}, where an unlisted file makes it corrupt; name a file "
+              "outside the checkpoint folders.", file=sys.stderr)
         return 2
     try:
         whole = load_whole(args.checkpoint)

@@ -35,4 +35,4 @@ def main(host: str, port: int) -> int:
     render.err.print(f"rendezvous store listening on {host}:{store.port} (Ctrl-C to stop)")
     stop.wait()
     del store
-    return ExitCode.SIGINT if got and got[0] == signal.SIGINT else ExitCode.OK
+    return ExitCode.SIGINT if got[0] == signal.SIGINT else ExitCode.SIGTERM  # as the exit code table says
