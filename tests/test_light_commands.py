@@ -409,6 +409,21 @@ def test_logs_follow_ends_when_the_state_file_is_gone_and_no_supervisor_holds_th
     assert logs._over([tmp_path / "deleted" / "state.json"], None)
 
 
+def test_logs_follow_of_a_killed_supervisors_run_goes_on_while_its_ranks_still_write(tmp_path):
+    """kill -9 of the supervisor: its ranks checkpoint and log their last lines without it; --follow ended the
+    moment the supervisor's lock went and missed them (a reviewer's run)."""
+    from supervisor.commands import logs
+    from supervisor.protocol import Heartbeat, write_heartbeat
+
+    _state_file(tmp_path, state=state.RunState.RUNNING, attempt=2)
+    beats = tmp_path / "heartbeats" / "attempt_2"
+    beats.mkdir(parents=True)
+    write_heartbeat(beats, Heartbeat(0, os.getpid(), attempt=2, phase="save", time=time.time()))  # alive: us
+    assert not logs._over([tmp_path / "state.json"], None)
+    write_heartbeat(beats, Heartbeat(0, os.getpid(), attempt=2, phase="exited", time=time.time()))
+    assert logs._over([tmp_path / "state.json"], None)
+
+
 def test_nodes_the_run_went_on_without_are_retired_and_do_not_count(tmp_path, cli):
     """Nodes a and b (their supervisors gone) were followed by c and d, whose attempts began after a's and b's
     last word: the run is c's and d's. A node whose supervisor is gone but that nobody followed still counts."""

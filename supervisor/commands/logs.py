@@ -16,8 +16,10 @@ from pathlib import Path
 from supervisor import layout, ranklogs, render, state, targets
 from supervisor.errors import ExitCode, UsageError
 from supervisor.fsutil import open_regular
+from supervisor.protocol import read_heartbeats
 
 POLL_S = 0.2
+ORPHAN_BEAT_S = 60.0  # a rank that beat this recently, still alive, may still write (a kill -9'd supervisor's)
 
 
 @dataclass
@@ -111,12 +113,29 @@ def _ended(nodes: list[state.NodeRead], attempt: int | None) -> bool:
             continue
         rec = n.record
         live = not rec.state.final and n.alive
+        if not rec.state.final and not n.alive and _orphans_write(n.node_dir, rec.attempt):
+            return False  # a supervisor killed -9: its ranks checkpoint and log their last lines without it
         if attempt is None and live:
             return False
         if attempt is not None and live and (any(h.attempt == attempt and h.ended_at is None for h in rec.history)
                                              or all(h.attempt < attempt for h in rec.history)):
             return False  # the pinned attempt runs, or may still come
     return True
+
+
+def _orphans_write(node_dir: Path, attempt: int) -> bool:
+    """A rank of `attempt` is still running (alive, not exited, beating in the last minute)."""
+    now = time.time()
+    for hb in read_heartbeats(layout.RunLayout(node_dir).heartbeat_dir(attempt)).values():
+        if hb.phase != "exited" and now - hb.time < ORPHAN_BEAT_S:
+            try:
+                os.kill(hb.pid, 0)
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                pass
+            return True
+    return False
 
 
 def _no_attempt(run_dir: Path, attempt: int) -> UsageError:
