@@ -12,7 +12,6 @@ loop owns everything that outlives an attempt (history, accounting, the interval
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import time
@@ -31,6 +30,7 @@ from supervisor.protocol import (
     Heartbeat,
     LogRecord,
     StepLogReader,
+    pid_alive,
     read_heartbeats,
 )
 from supervisor.state import AttemptRecord, RunRecord
@@ -363,7 +363,7 @@ class Attempt:
                           "step": hb.step, "phase": hb.phase,
                           "world_size": hb.world_size, "heartbeat_at": hb.time,
                           "heartbeat_age_s": round(ages.get(rank, 0.0), 2),
-                          "alive": hb.phase != "exited" and _pid_alive(hb.pid), "steps_per_s": hb.steps_per_s,
+                          "alive": hb.phase != "exited" and pid_alive(hb.pid), "steps_per_s": hb.steps_per_s,
                           "own_steps_per_s": hb.own_steps_per_s, "hang_limit_s": round(watch.limit_s(rank), 2),
                           "note": note})
         self.run_record.ranks = ranks
@@ -414,7 +414,7 @@ def current_group(heartbeats: dict[int, Heartbeat], window_s: float = 10.0) -> d
     if not heartbeats:
         return heartbeats
     newest = max(hb.started_at for hb in heartbeats.values())
-    return {r: hb for r, hb in heartbeats.items() if hb.started_at >= newest - window_s or _pid_alive(hb.pid)}
+    return {r: hb for r, hb in heartbeats.items() if hb.started_at >= newest - window_s or pid_alive(hb.pid)}
 
 
 def rank_stderr_paths(spec: AttemptSpec, heartbeats: dict[int, Heartbeat]) -> dict[int, Path]:
@@ -434,11 +434,3 @@ def local_stderr_paths(spec: AttemptSpec) -> dict[int, Path]:
             if p.parent.name.isdigit()}
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True

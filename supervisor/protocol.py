@@ -184,6 +184,17 @@ def write_heartbeat(folder: str | os.PathLike, hb: Heartbeat) -> None:
     atomic_write_json(heartbeat_path(folder, hb.rank), hb.to_dict(), durable=False)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a heartbeat's writer still runs (a process of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def read_heartbeats(folder: str | os.PathLike) -> dict[int, Heartbeat]:
     """Every rank's heartbeat in `folder`; unreadable or foreign files are skipped."""
     out: dict[int, Heartbeat] = {}

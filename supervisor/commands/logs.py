@@ -16,7 +16,7 @@ from pathlib import Path
 from supervisor import layout, ranklogs, render, state, targets
 from supervisor.errors import ExitCode, UsageError
 from supervisor.fsutil import open_regular
-from supervisor.protocol import read_heartbeats
+from supervisor.protocol import pid_alive, read_heartbeats
 
 POLL_S = 0.2
 ORPHAN_BEAT_S = 60.0  # a rank that beat this recently, still alive, may still write (a kill -9'd supervisor's)
@@ -126,16 +126,8 @@ def _ended(nodes: list[state.NodeRead], attempt: int | None) -> bool:
 def _orphans_write(node_dir: Path, attempt: int) -> bool:
     """A rank of `attempt` is still running (alive, not exited, beating in the last minute)."""
     now = time.time()
-    for hb in read_heartbeats(layout.RunLayout(node_dir).heartbeat_dir(attempt)).values():
-        if hb.phase != "exited" and now - hb.time < ORPHAN_BEAT_S:
-            try:
-                os.kill(hb.pid, 0)
-            except ProcessLookupError:
-                continue
-            except PermissionError:
-                pass
-            return True
-    return False
+    return any(hb.phase != "exited" and now - hb.time < ORPHAN_BEAT_S and pid_alive(hb.pid)
+               for hb in read_heartbeats(layout.RunLayout(node_dir).heartbeat_dir(attempt)).values())
 
 
 def _no_attempt(run_dir: Path, attempt: int) -> UsageError:
