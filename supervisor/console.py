@@ -13,7 +13,7 @@ from rich.console import Console
 class _Console(Console):
     def on_broken_pipe(self) -> None:
         """Rich's own answer to a reader gone away is SystemExit(1): the supervisor's end, and the run's."""
-        _go_quiet(self)
+        go_quiet(self)
 
 
 class EventConsole:
@@ -40,10 +40,10 @@ class EventConsole:
         except (OSError, ValueError) as e:  # ValueError: a closed file
             if isinstance(e, OSError) and e.errno not in (errno.EPIPE, errno.EIO):
                 return  # this line is lost (a full disk); the next may be written again
-            _go_quiet(self.console)
+            go_quiet(self.console)
 
 
-def _go_quiet(console: Console) -> None:
+def go_quiet(console: Console) -> None:
     """Nobody reads `console` any more: it prints nothing, and its stream's descriptor leads to /dev/null, so that
     every later write to it (the interpreter's at exit too) succeeds and goes nowhere."""
     console.quiet = True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from supervisor import layout, protocol, render, state, store, targets, timeline
+from supervisor.console import go_quiet
 from supervisor.errors import ExitCode, ResilientError, UsageError
 from supervisor.replicate import ReplicationState
 from supervisor.state import RunRecord, RunState
@@ -377,7 +377,5 @@ def _watch_lines(target: str | None, result: StatusResult, as_json: bool, interv
             time.sleep(interval_s)
             result = collect(target)
     except BrokenPipeError:  # `| head -1`: the reader has what it wanted; Python's own exit flush must not fail
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, sys.stdout.fileno())
-        os.close(null)
+        go_quiet(render.out)
         return ExitCode.OK
