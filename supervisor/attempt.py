@@ -120,9 +120,11 @@ class Attempt:
             # Ranks asked to stop may still be writing their checkpoint after torchrun is gone; a torchrun that
             # outlived the stop's grace has had it.
             stopping = outcome is not None and outcome.reason == api.STOPPED and outcome.exit_code is not None
-            # A stop's grace runs from its signal (_stop waited in it already): what is left of it, not a second one.
-            grace = max(0.0, self._stop_deadline - time.monotonic()) if stopping and self._stop_deadline else \
-                self.cfg.stop_timeout_s if stopping else HANG_STOP_GRACE_S
+            # A stop's grace runs from its signal (_stop, which set the deadline, waited in it already): what is left
+            # of it, not a second one.
+            grace = HANG_STOP_GRACE_S
+            if stopping and self._stop_deadline is not None:
+                grace = max(0.0, self._stop_deadline - time.monotonic())
             survivors = handle.stop(grace_s=grace)
             if survivors:
                 self.console.event(f"processes survived SIGKILL: {survivors}", style="red")

@@ -220,7 +220,8 @@ def _by_last_word(root: Failure | None, failures: list[Failure], heartbeats: dic
         return replace(f, exit_code=hb.exit_code)
 
     failures = [word(f) for f in failures]
-    root = None if root is None else next((f for f in failures if f.rank == root.rank), word(root))
+    if root is not None:  # the summary lists the root among the failures: the same entry, replaced once
+        root = next((f for f in failures if f.rank == root.rank), None) or word(root)
     note = (f"; {', '.join(sorted(set(died)))} then died in Python's teardown, after its exit: not a failure "
             "of training") if died else ""
     return root, failures, note
