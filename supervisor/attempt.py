@@ -274,10 +274,7 @@ class Attempt:
         heartbeats = read_heartbeats(self.spec.heartbeat_dir) or heartbeats
         step = max((hb.step for hb in heartbeats.values()), default=self.run_record.step)
         self.run_record.step = step
-        for r in self.run_record.ranks:  # their last word (the stop step, exited), not the last poll's
-            hb = heartbeats.get(r["rank"])
-            if hb is not None:
-                r.update(step=hb.step, phase=hb.phase, heartbeat_at=hb.time)
+        self.run_record.take_last_beats(heartbeats)
         saved, tier = store.latest_valid(self.cfg.checkpoint.dir), ""
         if self.handover.ckpt_local_dir:  # the stop's checkpoint is committed locally, copied to the durable tier later
             local = store.latest_valid(self.handover.ckpt_local_dir)

@@ -25,7 +25,7 @@ from typing import Any
 
 from supervisor import layout, lock
 from supervisor.fsutil import atomic_write_json, read_json
-from supervisor.protocol import last_logged_step
+from supervisor.protocol import Heartbeat, last_logged_step
 
 SCHEMA_VERSION = 1
 
@@ -119,6 +119,14 @@ class RunRecord:
         if new is not self.state and new not in TRANSITIONS[self.state]:
             raise IllegalTransition(f"{self.state.value} -> {new.value}")
         self.state = new
+
+    def take_last_beats(self, beats: dict[int, Heartbeat]) -> None:
+        """The ranks table from the ranks' last heartbeats once they have ended (the stop step, exited), not from
+        the last poll's."""
+        for r in self.ranks:
+            hb = beats.get(r.get("rank"))
+            if hb is not None:
+                r.update(step=hb.step, phase=hb.phase, heartbeat_at=hb.time)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -233,10 +233,7 @@ def settle_orphan(rec: RunRecord, node_dir: Path, root: Path, run_dir: Path) -> 
     run` again records the same."""
     state.close_lost_attempt(rec, node_dir)
     beats = protocol.read_heartbeats(layout.RunLayout(node_dir).heartbeat_dir(rec.attempt))
-    for r in rec.ranks:
-        hb = beats.get(r.get("rank"))
-        if hb is not None and hb.time >= (r.get("heartbeat_at") or 0.0):
-            r.update(step=hb.step, phase=hb.phase, heartbeat_at=hb.time)
+    rec.take_last_beats(beats)
     last = rec.history[-1] if rec.history else None
     steps = [s for s in (rec.step, last.step_at_failure if last else None, *(hb.step for hb in beats.values()))
              if s is not None]
