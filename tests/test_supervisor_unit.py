@@ -802,6 +802,31 @@ def test_sigtstp_without_a_terminal_to_continue_the_supervisor_is_ignored_with_a
     assert stopped == [signal.SIGSTOP]
 
 
+def fake_attempt(tmp_path, job_text, handle, *, attempt=1, resumed_from=None, handover=None, stop_signal=None,
+                 on_resumed=lambda *a: None, clock=None):
+    """An Attempt of the job `job_text` over a fake torchrun `handle` (files under tmp_path, heartbeats in
+    tmp_path/hb); returns it with its attempt record and run record."""
+    from types import SimpleNamespace
+
+    from supervisor.api import AttemptSpec
+    from supervisor.attempt import Attempt
+    from supervisor.config import load_job
+
+    job = tmp_path / "job.yaml"
+    job.write_text(job_text)
+    cfg = load_job(str(job), [])
+    logs, hb_dir = tmp_path / "logs" / f"attempt_{attempt}", tmp_path / "hb"
+    hb_dir.mkdir(exist_ok=True)
+    spec = AttemptSpec(attempt, resumed_from, None, logs, hb_dir, tmp_path / "steps.jsonl", tmp_path / "control.json")
+    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a, **k: None, on_tick=lambda: None,
+                               on_resumed=on_resumed, stop_signal=lambda: stop_signal)
+    console = SimpleNamespace(event=lambda text, style=None: None)
+    rec = state.AttemptRecord(attempt=attempt, started_at=0.0, resumed_from_step=resumed_from)
+    run = state.RunRecord(name="demo", run_dir=".", checkpoint_dir=str(cfg.checkpoint.dir))
+    extra = {} if clock is None else {"clock": clock}
+    return Attempt(cfg, spec, handover or Handover(), lambda *a: handle, console, rec, run, listener, **extra), rec, run
+
+
 class SilentTorchrun(FakeHandle):
     """A torchrun that never exits and never starts a worker (the fake clock runs its startup allowance out)."""
 
@@ -813,28 +838,14 @@ class SilentTorchrun(FakeHandle):
 def test_a_torchrun_with_no_workers_is_a_rendezvous_only_where_it_has_one(tmp_path, endpoint, reason):
     """A standalone torchrun has no rendezvous to wait in: no workers by startup_timeout_s is a hang, with its own
     state in the evidence. With an endpoint it is still in the rendezvous: no hang, no budget spent."""
-    from types import SimpleNamespace
-
-    from supervisor.api import AttemptSpec
-    from supervisor.attempt import Attempt
-    from supervisor.config import load_job
-
-    job = tmp_path / "job.yaml"
     rdzv = f"rdzv: {{endpoint: '{endpoint}'}}\nnnodes: '1:2'\n" if endpoint else ""
-    job.write_text(f"name: demo\nentrypoint: {{module: train_entry}}\nheartbeat: {{startup_timeout_s: 5}}\n{rdzv}")
-    cfg = load_job(str(job), [])
-    logs = tmp_path / "logs" / "attempt_1"
-    spec = AttemptSpec(1, None, None, logs, tmp_path / "hb", tmp_path / "steps.jsonl", tmp_path / "control.json")
-    ticks = iter(range(10_000))
-    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a, **k: None, on_tick=lambda: None,
-                               on_resumed=lambda *a: None, stop_signal=lambda: None)
-    handle = SilentTorchrun(logs / "torchrun.log")
+    handle = SilentTorchrun(tmp_path / "logs" / "attempt_1" / "torchrun.log")
     handle.pid = __import__("os").getpid()  # a live process for the evidence's facts
-    console = SimpleNamespace(event=lambda text, style=None: None)
-    rec = state.AttemptRecord(attempt=1, started_at=0.0, resumed_from_step=None)
-    run = state.RunRecord(name="demo", run_dir=".", checkpoint_dir="checkpoints")
-    outcome = Attempt(cfg, spec, Handover(), lambda *a: handle, console, rec, run, listener,
-                      clock=lambda: float(next(ticks))).run()
+    ticks = iter(range(10_000))
+    attempt, _, _ = fake_attempt(tmp_path, "name: demo\nentrypoint: {module: train_entry}\nheartbeat: "
+                                 f"{{startup_timeout_s: 5}}\n{rdzv}", handle, clock=lambda: float(next(ticks)))
+    outcome = attempt.run()
+    logs = attempt.spec.logs_dir
     assert outcome.reason == reason, outcome
     evidence = logs / "hang_evidence.json"
     if reason == api.HANG:
@@ -876,34 +887,23 @@ def test_a_stop_accounts_for_ranks_that_outlive_torchrun(tmp_path, tier):
     """The stop's ranks table and checkpoint note are from the ranks' last word once they have ended, not from
     the last poll: CI once showed both ranks 'train' at the stop step when torchrun left before them. With a local
     tier the stop's checkpoint is there (the note named an older durable one)."""
-    from types import SimpleNamespace
-
-    from supervisor.api import AttemptSpec
-    from supervisor.attempt import Attempt
-    from supervisor.config import load_job
     from tests.ckpt_helpers import write_checkpoint
 
-    job = tmp_path / "job.yaml"
-    job.write_text("name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\n")
-    cfg = load_job(str(job), [])
-    logs, hb_dir = tmp_path / "logs" / "attempt_1", tmp_path / "hb"
+    hb_dir = tmp_path / "hb"
     hb_dir.mkdir()
     for rank in (0, 1):
         write_heartbeat(hb_dir, Heartbeat(rank, 100 + rank, attempt=1, world_size=2, step=49, phase="train",
                                           time=time.time(), progress_at=time.time()))
-    spec = AttemptSpec(1, None, None, logs, hb_dir, tmp_path / "steps.jsonl", tmp_path / "control.json")
-    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a, **k: None, on_tick=lambda: None,
-                               on_resumed=lambda *a: None, stop_signal=lambda: signal.SIGHUP)
-    handle = TorchrunGoneBeforeItsRanks(logs / "torchrun.log", hb_dir)
-    console = SimpleNamespace(event=lambda text, style=None: None)
-    rec = state.AttemptRecord(attempt=1, started_at=0.0, resumed_from_step=None)
-    run = state.RunRecord(name="demo", run_dir=".", checkpoint_dir=str(tmp_path / "checkpoints"))
-    write_checkpoint(cfg.checkpoint.dir, 40)
+    handle = TorchrunGoneBeforeItsRanks(tmp_path / "logs" / "attempt_1" / "torchrun.log", hb_dir)
     local = tmp_path / "local"
+    attempt, _, run = fake_attempt(tmp_path, "name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\n",
+                                   handle, handover=Handover(ckpt_local_dir=str(local) if tier else None),
+                                   stop_signal=signal.SIGHUP)
+    write_checkpoint(attempt.cfg.checkpoint.dir, 40)
     if tier:
         write_checkpoint(local, 55)
-    handover = Handover(ckpt_local_dir=str(local) if tier else None)
-    outcome = Attempt(cfg, spec, handover, lambda *a: handle, console, rec, run, listener).run()
+    outcome = attempt.run()
+    logs = attempt.spec.logs_dir
     assert outcome.reason == api.STOPPED and outcome.step == 55, outcome
     assert outcome.detail.endswith("newest valid checkpoint: 55 (in the local tier)" if tier else
                                    "newest valid checkpoint: 40 (none at the stop step 55: see the ranks' logs in "
@@ -915,32 +915,19 @@ def test_a_stop_accounts_for_ranks_that_outlive_torchrun(tmp_path, tier):
 def test_ranks_that_resume_at_the_last_step_and_end_at_once_are_followed_to_the_step_they_loaded(tmp_path):
     """Handed the durable step 280 and local step 400, the ranks took 400 from the local tier and finished there
     before any poll saw them train: the history said resumed from 280 and goodput charged 120 steps as lost."""
-    from types import SimpleNamespace
-
-    from supervisor.api import AttemptSpec
-    from supervisor.attempt import Attempt
-    from supervisor.config import load_job
-
-    job = tmp_path / "job.yaml"
-    job.write_text("name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\n")
-    cfg = load_job(str(job), [])
-    logs, hb_dir = tmp_path / "logs" / "attempt_2", tmp_path / "hb"
+    hb_dir = tmp_path / "hb"
     hb_dir.mkdir()
     for rank in (0, 1):
         write_heartbeat(hb_dir, Heartbeat(rank, 100 + rank, attempt=2, world_size=2, step=400, phase="exited",
                                           started_at=time.time(), exit_code=0, exit_reason="finished",
                                           resumed_from=400, resumed_tier="local",
                                           resumed_why="every node holds step 400 whole"))
-    spec = AttemptSpec(2, 280, None, logs, hb_dir, tmp_path / "steps.jsonl", tmp_path / "control.json")
     resumed = []
-    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a, **k: None, on_tick=lambda: None,
-                               on_resumed=lambda *a: resumed.append(a[:2]), stop_signal=lambda: None)
-    console = SimpleNamespace(event=lambda text, style=None: None)
-    rec = state.AttemptRecord(attempt=2, started_at=0.0, resumed_from_step=280)
-    run = state.RunRecord(name="demo", run_dir=".", checkpoint_dir=str(tmp_path / "checkpoints"))
     handover = Handover(ckpt_local_dir=str(tmp_path / "local"), resume_step=280, local_resume_step=400)
-    outcome = Attempt(cfg, spec, handover, lambda *a: FakeHandle(logs / "torchrun.log"), console, rec, run,
-                      listener).run()
+    attempt, rec, _ = fake_attempt(tmp_path, "name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\n",
+                                   FakeHandle(tmp_path / "logs" / "attempt_2" / "torchrun.log"), attempt=2,
+                                   resumed_from=280, handover=handover, on_resumed=lambda *a: resumed.append(a[:2]))
+    outcome = attempt.run()
     assert outcome.reason == api.FINISHED, outcome
     assert (rec.resumed_from_step, rec.resumed_tier) == (400, "local") and resumed == [(400, "local")]
 
@@ -985,26 +972,11 @@ def test_run_says_a_rendezvous_backend_one_node_does_not_use(tmp_path, cli, monk
 def test_a_rank_that_outlives_the_stops_grace_gets_no_second_grace(tmp_path):
     """The stop waits for the ranks up to its grace; the SIGKILL of what lingers comes then, not after another
     whole stop_timeout_s (twice the grace overran a scheduler's kill wait)."""
-    from types import SimpleNamespace
-
-    from supervisor.api import AttemptSpec
-    from supervisor.attempt import Attempt
-    from supervisor.config import load_job
-
-    job = tmp_path / "job.yaml"
-    job.write_text("name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\nstop_timeout_s: 1\n")
-    cfg = load_job(str(job), [])
-    logs, hb_dir = tmp_path / "logs" / "attempt_1", tmp_path / "hb"
-    hb_dir.mkdir()
-    spec = AttemptSpec(1, None, None, logs, hb_dir, tmp_path / "steps.jsonl", tmp_path / "control.json")
-    listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a, **k: None, on_tick=lambda: None,
-                               on_resumed=lambda *a: None, stop_signal=lambda: signal.SIGTERM)
-    handle = TorchrunGoneBeforeItsRanks(logs / "torchrun.log", hb_dir)
+    handle = TorchrunGoneBeforeItsRanks(tmp_path / "logs" / "attempt_1" / "torchrun.log", tmp_path / "hb")
     handle.lingering = True
-    console = SimpleNamespace(event=lambda text, style=None: None)
-    rec = state.AttemptRecord(attempt=1, started_at=0.0, resumed_from_step=None)
-    run = state.RunRecord(name="demo", run_dir=".", checkpoint_dir=str(cfg.checkpoint.dir))
+    attempt, _, _ = fake_attempt(tmp_path, "name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\n"
+                                 "stop_timeout_s: 1\n", handle, stop_signal=signal.SIGTERM)
     started = time.monotonic()
-    outcome = Attempt(cfg, spec, Handover(), lambda *a: handle, console, rec, run, listener).run()
+    outcome = attempt.run()
     assert outcome.reason == api.STOPPED and time.monotonic() - started < 6 + 1
     assert handle.graces == [0.0] or handle.graces[0] < 0.5, handle.graces
