@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     real_ckpt, real_out = os.path.realpath(args.checkpoint), os.path.realpath(out_dir)
     # Inside this checkpoint or any other of its root (a step folder, a partial): an unlisted file there makes that
     # checkpoint corrupt.
-    inside = next((d for d in (real_ckpt, *store.checkpoint_dirs(os.path.dirname(real_ckpt), quarantined=True))
-                   if os.path.commonpath([real_out, os.path.realpath(d)]) == os.path.realpath(d)), None)
+    folders = [real_ckpt, *(os.path.realpath(d) for d in store.checkpoint_dirs(os.path.dirname(real_ckpt),
+                                                                               quarantined=True))]
+    inside = next((d for d in folders if os.path.commonpath([real_out, d]) == d), None)
     if inside is not None:
         print(f"{args.out}: inside the checkpoint {inside}, where an unlisted file makes it corrupt; name a file "
               "outside the checkpoint folders.", file=sys.stderr)

@@ -67,9 +67,13 @@ class InspectResult:
         if not self.checkpoints and not any(infos for _, _, infos in self.local or []):
             render.out.print(f"{self.root}: no checkpoints yet.", markup=False)
             return
-        latest = self.latest_valid
-        head = f"latest valid: step {latest.step}" if latest else "[red]no valid checkpoint[/]" \
-            if self.newest_local is None else f"no valid checkpoint yet; local tier: step {self.newest_local}"
+        latest, local = self.latest_valid, self.newest_local
+        if latest is not None:
+            head = f"latest valid: step {latest.step}"
+        elif local is not None:
+            head = f"no valid checkpoint yet; local tier: step {local}"
+        else:
+            head = "[red]no valid checkpoint[/]"
         if self.selected is not None:
             head = f"step {self.selected.step}: {render.styled(self.selected.status.value)}; {head}"
         how = "checksums verified" if self.verified else "sizes checked; --verify reads every byte"
