@@ -210,6 +210,45 @@ def test_logs_names_what_is_missing(finished_run, cli):
     assert r.exit_code == 0 and r.stdout.count("hello from rank") == 2
     r = cli("logs", run_dir, "--attempt", "7", "--follow")  # over without it: it printed nothing and said 0
     assert r.exit_code == 2 and "no attempt 7 (attempts: 1)" in r.stderr
+    r = cli("logs", run_dir, "--rank", "5", "--follow")  # it printed a header and said 0
+    assert r.exit_code == 2 and "has no output for rank 5 (ranks: 0, 1)" in r.stderr
+
+
+def test_logs_streams_a_big_log_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """`logs` read each whole file into memory (about 900 MB of RSS for a 204 MB log): now a chunk at a time,
+    lines cut across chunks joined whole, a last line without its newline printed at the end."""
+    from supervisor.commands import logs
+
+    monkeypatch.setattr(logs, "CHUNK", 7)
+    log = tmp_path / "out.log"
+    log.write_bytes("alpha\nbéta gamma\n\ndelta".encode())
+    tail = logs.Tail(log, "[rank 0 out] ")
+    chunks = list(tail.read())
+    assert len(chunks) > 1 and max(len(c) for c in chunks) < 40, "one chunk of lines at a time"
+    assert "".join(chunks) == "[rank 0 out] alpha\n[rank 0 out] béta gamma\n[rank 0 out] \n"
+    with log.open("ab") as f:
+        f.write(b" epsilon\n")
+    assert "".join(tail.read(final=True)) == "[rank 0 out] delta epsilon\n"
+    assert list(tail.read(final=True)) == []
+
+
+def test_logs_of_a_big_file_holds_a_chunk_not_the_file(tmp_path):
+    import tracemalloc
+
+    from supervisor.commands import logs
+
+    log = tmp_path / "out.log"
+    line = b"x" * 99 + b"\n"
+    log.write_bytes(line * 160_000)  # 16 MB
+    tail = logs.Tail(log, "[rank 0 out] ")
+    tracemalloc.start()
+    try:
+        printed = sum(len(chunk) for chunk in tail.read(final=True))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert printed == 160_000 * (len(line) + len("[rank 0 out] "))
+    assert peak < 8 * logs.CHUNK, f"{peak / 1e6:.1f} MB held at once for a 16 MB log"
 
 
 def test_logs_follow_of_an_attempt_still_to_come_waits_for_it(tmp_path):

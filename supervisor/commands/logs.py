@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from supervisor.fsutil import open_regular
 from supervisor.protocol import pid_alive, read_heartbeats
 
 POLL_S = 0.2
+CHUNK = 1 << 20  # bytes read at a time
 ORPHAN_BEAT_S = 60.0  # a rank that beat this recently, still alive, may still write (a kill -9'd supervisor's)
 
 
@@ -31,20 +33,24 @@ class Tail:
     offset: int = 0
     pending: bytes = b""
 
-    def read(self, final: bool = False) -> list[str]:
+    def read(self, final: bool = False) -> Iterator[str]:
+        """The complete lines written since the last read, a chunk at a time: a big log never sits in memory."""
         try:
-            with os.fdopen(open_regular(self.path), "rb") as f:  # a FIFO would hang the reader
-                f.seek(self.offset)
-                data = f.read()
+            f = os.fdopen(open_regular(self.path), "rb")  # a FIFO would hang the reader
         except OSError:
-            data = b""
-        self.offset += len(data)
-        lines = (self.pending + data).split(b"\n")
-        self.pending = lines.pop()
+            f = None
+        if f is not None:
+            with f:
+                f.seek(self.offset)
+                while data := f.read(CHUNK):
+                    self.offset += len(data)
+                    lines = (self.pending + data).split(b"\n")
+                    self.pending = lines.pop()
+                    if lines:
+                        yield "".join(self.prefix + line.decode(errors="replace") + "\n" for line in lines)
         if final and self.pending:
-            lines.append(self.pending)
+            yield self.prefix + self.pending.decode(errors="replace") + "\n"
             self.pending = b""
-        return [self.prefix + line.decode(errors="replace") + "\n" for line in lines]
 
 
 @dataclass
@@ -71,16 +77,17 @@ class NodeLogs:
                 if real not in self.tails and layout.inside(Path(real), real_logs):
                     self.tails[real] = Tail(path, f"[rank {r} {stream[3:]}] ")
 
-    def read(self, final: bool = False) -> list[str]:
-        out: list[str] = []
+    def read(self, final: bool = False) -> Iterator[str]:
         for tail in self.tails.values():
-            out += tail.read(final)
-        return out
+            yield from tail.read(final)
 
 
-def _write(lines: list[str]) -> None:
-    if lines:
-        sys.stdout.write("".join(lines))
+def _write(chunks: Iterable[str]) -> None:
+    wrote = False
+    for chunk in chunks:
+        sys.stdout.write(chunk)
+        wrote = True
+    if wrote:
         sys.stdout.flush()
 
 
@@ -135,6 +142,12 @@ def _no_attempt(run_dir: Path, attempt: int) -> UsageError:
     return UsageError(f"{run_dir}: no attempt {attempt} (attempts: {', '.join(map(str, have)) or 'none'}).")
 
 
+def _no_rank(run_dir: Path, nodes: list[NodeLogs], rank: int) -> UsageError:
+    seen = sorted({r for nl in nodes for r in ranklogs.rank_folders(nl.logs_dir)})
+    return UsageError(f"{run_dir}: attempt {nodes[0].attempt} has no output for rank {rank} "
+                      f"(ranks: {', '.join(map(str, seen)) or 'none yet'}).")
+
+
 def main(target: str | None, rank: int | None, attempt: int | None, follow: bool, *,
          poll_s: float = POLL_S) -> int:
     t = targets.resolve(target)
@@ -154,9 +167,7 @@ def main(target: str | None, rank: int | None, attempt: int | None, follow: bool
         nl.discover(rank)
     if not follow:
         if rank is not None and not any(nl.tails for nl in nodes):
-            seen = sorted({r for nl in nodes for r in ranklogs.rank_folders(nl.logs_dir)})
-            raise UsageError(f"{run_dir}: attempt {nodes[0].attempt} has no output for rank {rank} "
-                             f"(ranks: {', '.join(map(str, seen)) or 'none yet'}).")
+            raise _no_rank(run_dir, nodes, rank)
         for nl in nodes:
             if len(nodes) > 1:
                 _header(nl)
@@ -190,6 +201,8 @@ def _follow(run_dir: Path, files: list[Path], nodes: list[NodeLogs], rank: int |
         if over:
             if attempt is not None and not by_dir:  # the run ended (or never ran) without it
                 raise _no_attempt(run_dir, attempt)
+            if rank is not None and by_dir and not any(nl.tails for nl in by_dir.values()):
+                raise _no_rank(run_dir, list(by_dir.values()), rank)  # after all that waiting, say why nothing came
             return ExitCode.OK
         time.sleep(poll_s)
         files = layout.state_files(run_dir) or files
