@@ -10,13 +10,34 @@ from __future__ import annotations
 
 import datetime as dt
 import signal
+import socket
 import threading
 
 from supervisor import render
 from supervisor.errors import ExitCode, UsageError
 
 
+def _check_host(host: str) -> None:
+    """--host must name this machine: the store's own client connects through it, and an unresolvable or
+    foreign name made it retry for about 50 s and then blame the port."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise UsageError(f"--host {host!r} does not resolve ({e.strerror or e}); give this machine's name or "
+                         "address.") from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.bind((addr[0], 0))
+                return
+            except OSError:
+                continue
+    raise UsageError(f"--host {host!r} resolves to {infos[0][4][0]}, which is not an address of this machine; "
+                     "run rdzv-store on that machine, or give this machine's name or address.")
+
+
 def main(host: str, port: int) -> int:
+    _check_host(host)
     from torch.distributed import TCPStore  # only this command and `run` need torch
 
     try:
