@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(extra['nodes'])} nodes'; export the durable tier's step_{info.step:09d} (checkpoint.dir).",
               file=sys.stderr)
         return 2
+    if os.path.isdir(args.out):  # found only after the whole load, by torch.save
+        print(f"{args.out}: is a folder; name the file to write, e.g. {os.path.join(args.out, 'model.pt')}.",
+              file=sys.stderr)
+        return 2
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         print(f"{args.out}: its folder {out_dir} does not exist; create it or name another file.", file=sys.stderr)
