@@ -87,6 +87,19 @@ def test_set_overrides_apply_before_validation(tmp_path):
         load_job(path, ["checkpoint={kep: 7}"])
 
 
+def test_usage_errors_are_one_sentence_naming_the_command_and_its_help(cli):
+    """click printed three lines (usage, a hint, the error) where the contract asks for one sentence."""
+    for args, said in ((["run", "--bogus", "x"], "resilient run: No such option: --bogus"),
+                       (["run"], "resilient run: Missing argument 'JOB.yaml'"),
+                       (["gc", "--keep", "abc"], "resilient gc: Invalid value for '--keep'"),
+                       (["nosuch"], "resilient: No such command 'nosuch'")):
+        r = cli(*args)
+        assert r.exit_code == 2 and r.stderr.startswith(said) and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.rstrip().endswith(f"see `{said.split(':')[0]} --help`."), r.stderr
+    r = cli()  # no command at all: the help, as before
+    assert r.exit_code == 2 and "Commands:" in r.output
+
+
 def test_odd_arguments_and_a_self_containing_alias_are_one_sentence(tmp_path, cli, monkeypatch):
     job = write(tmp_path, GOOD + "extra: &a [*a]\n")
     r = cli("run", job)
