@@ -48,7 +48,7 @@ def test_inspect_exit_codes_follow_the_contract(zoo, cli, tmp_path):
     assert cli("inspect-checkpoint", zoo / "step_000000010").exit_code == 0
     assert cli("inspect-checkpoint", zoo / "step_000000050").exit_code == 1
     r = cli("inspect-checkpoint", zoo, "--step", "999")
-    assert r.exit_code == 2 and "no checkpoint for step 999" in r.stderr
+    assert r.exit_code == 1 and "no checkpoint for step 999" in r.stderr  # the contract: selected one not valid
     empty = tmp_path / "empty"
     empty.mkdir()
     assert cli("inspect-checkpoint", empty).exit_code == 2  # no run, no checkpoints: like status and gc

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 
 from supervisor import render, store, targets
-from supervisor.errors import ExitCode, UsageError
+from supervisor.errors import ExitCode, ResilientError, UsageError
 from supervisor.store import CheckpointInfo
 
 
@@ -159,8 +159,9 @@ def collect(target: str | None, step: int | None, verify: bool) -> InspectResult
     dirs = store.checkpoint_dirs(root, quarantined=True) if root is not None else []
     chosen = [d for d in dirs if int(d.name[5:14]) == step] if step is not None else dirs
     if step is not None and not chosen:
-        raise UsageError(f"{t.checkpoint_root}: no checkpoint for step {step}; `resilient inspect-checkpoint "
-                         f"{t.checkpoint_root}` lists them.")
+        # The contract's exit 1: the selected checkpoint is not valid (here: not there at all).
+        raise ResilientError(f"{t.checkpoint_root}: no checkpoint for step {step}; `resilient inspect-checkpoint "
+                             f"{t.checkpoint_root}` lists them.")
     deep = set(chosen) if verify else set()  # with --step, only that step is read byte by byte
     progress = _verify_progress(chosen) if verify else None
     if progress is None:
