@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import time
+from collections.abc import Iterator
 
 from rich.console import Console
 
@@ -27,6 +29,19 @@ class EventConsole:
     def event(self, text: str, style: str | None = None) -> None:
         stamp = time.strftime("%H:%M:%S")
         self._print((f"[dim]{stamp}[/] [bold]{self.name}[/] ", None, True, ""), (text, style, False, "\n"))
+
+    @contextlib.contextmanager
+    def library_warnings(self) -> Iterator[None]:
+        """The library's warnings (the "resilient" logger: the replicator, the prewarm client) as events, stamped
+        like every other line; without this, Python's last-resort handler printed them bare."""
+        logger, handler = logging.getLogger("resilient"), _AsEvents(self)
+        logger.addHandler(handler)
+        propagate, logger.propagate = logger.propagate, False  # a caller's own root handler would print it twice
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
+            logger.propagate = propagate
 
     def paragraph(self, text: str, style: str | None = "red") -> None:
         self._print((text, style, False, "\n"))
@@ -52,3 +67,17 @@ def go_quiet(console: Console) -> None:
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, fd)
         os.close(null)
+
+
+class _AsEvents(logging.Handler):
+    def __init__(self, console: EventConsole):
+        super().__init__(logging.WARNING)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except (TypeError, ValueError):
+            self.handleError(record)
+            return
+        self.console.event(text, style="yellow" if record.levelno < logging.ERROR else "red")

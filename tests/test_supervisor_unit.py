@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import time
@@ -800,6 +801,22 @@ def test_sigtstp_without_a_terminal_to_continue_the_supervisor_is_ignored_with_a
     monkeypatch.setattr(run_cmd, "foreground", lambda: True)
     run_cmd.on_suspend(EventConsole("job"))(signal.SIGTSTP, None)
     assert stopped == [signal.SIGSTOP]
+
+
+def test_the_librarys_warnings_reach_the_console_stamped_like_its_other_lines(capsys):
+    """The replicator's warnings went through Python's last-resort handler: bare lines without the time and the
+    job's name that every other console line has."""
+    import logging
+
+    from supervisor.console import EventConsole
+
+    log = logging.getLogger("resilient")
+    with EventConsole("job").library_warnings():
+        log.warning("not replicating %s: %s", "step_000000040", "its marker is gone")
+        log.info("a detail nobody asked for")
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"\d\d:\d\d:\d\d job not replicating step_000000040: its marker is gone\n", err), err
+    assert log.handlers == [] and log.propagate, "the caller's logging is as it was"
 
 
 def fake_attempt(tmp_path, job_text, handle, *, attempt=1, resumed_from=None, handover=None, stop_signal=None,

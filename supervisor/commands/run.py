@@ -218,7 +218,8 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
             previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, on_suspend(console))
         started = time.monotonic()
         try:
-            code = sup.run()
+            with console.library_warnings():
+                code = sup.run()
         finally:  # called in-process (tests, a user's own Python), the caller's handlers come back
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
