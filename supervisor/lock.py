@@ -121,17 +121,8 @@ class RootClaim:
                               "checkpoint.local_dir) at a writable folder.") from None
         try:
             fcntl.flock(mutex, fcntl.LOCK_EX)
-            mine = self._name()
-            for other in sorted(owners.glob("*.lock")):
-                if other.name in (mine, "claim.lock"):
-                    continue
-                who = _held_by(other)
-                if who is not None:
-                    raise RunLockedError(
-                        f"{self.root} is the checkpoint root of another live run ({who.get('run_dir', '?')}, "
-                        f"supervisor pid {who.get('pid', '?')} on {who.get('host', '?')}); two runs must not share "
-                        "one: give this job its own checkpoint.dir, or stop the other run.")
-            fd = os.open(owners / mine, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self.refuse_if_taken()
+            fd = os.open(owners / self._name(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             fcntl.flock(fd, fcntl.LOCK_SH)
             info = json.dumps({"run_dir": str(self.run_dir), "pid": os.getpid(), "host": socket.gethostname()})
             os.pwrite(fd, info.encode().ljust(4096), 0)  # one run's nodes all write the same run dir
@@ -139,6 +130,23 @@ class RootClaim:
         finally:
             os.close(mutex)  # closing drops the exclusive lock
         return self
+
+    def refuse_if_taken(self) -> None:
+        """RunLockedError naming the other live run that holds the root; creates nothing, so `resilient run` asks
+        first, before it makes a new run dir that a refusal would leave behind (acquire asks again, ordered)."""
+        try:
+            others = sorted((self.root / OWNERS_DIR).glob("*.lock"))
+        except OSError:
+            return
+        for other in others:
+            if other.name in (self._name(), "claim.lock"):
+                continue
+            who = _held_by(other)
+            if who is not None:
+                raise RunLockedError(
+                    f"{self.root} is the checkpoint root of another live run ({who.get('run_dir', '?')}, "
+                    f"supervisor pid {who.get('pid', '?')} on {who.get('host', '?')}); two runs must not share "
+                    "one: give this job its own checkpoint.dir, or stop the other run.")
 
     def release(self) -> None:
         if self._fd is not None:

@@ -488,3 +488,16 @@ def test_retention_at_start_never_removes_the_chosen_checkpoint_for_a_newer_one_
     assert r.exit_code == 0, r.output
     assert "resuming from step 10" in r.output and "removed step_000000010" not in r.output, r.output
     assert 10 in steps(run_dir / "checkpoints")
+
+
+def test_a_root_another_live_run_holds_is_refused_before_a_new_run_dir_is_made(tmp_path, cli):
+    """Exit 3 left a new run dir behind holding only its supervisor.lock."""
+    from supervisor.lock import RootClaim
+
+    root = tmp_path / "shared"
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    with RootClaim(root, tmp_path / "other-run"):
+        r = cli("run", job, "--run-dir", tmp_path / "new-run", "--set", f"checkpoint.dir={root}")
+    assert r.exit_code == 3 and "checkpoint root of another live run" in r.stderr, r.output
+    assert not (tmp_path / "new-run").exists()

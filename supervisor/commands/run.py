@@ -199,6 +199,9 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     check_writable(cfg, layout)
     check_same_job(cfg, layout)
     local = cfg.checkpoint.local_root(layout.node_name)
+    for root in (cfg.checkpoint.dir, local):
+        if root is not None:  # another live run's root: refused before a new run dir is made for nothing
+            RootClaim(root, cfg.run_dir).refuse_if_taken()
     # A single-node job given a node name (--node, RESILIENT_NODE) holds the run dir too: another one there, named
     # or not, would be a second job writing the same checkpoints, not a second node of this one.
     whole_run = RunLock(layout.run_dir) if cfg.nnodes == "1" and layout.node_dir != layout.run_dir else None
