@@ -130,6 +130,14 @@ class Holder:
         pass
 
 
+class Late:
+    def state_dict(self):
+        return {"n": 1}
+
+    def load_state_dict(self, sd):
+        pass
+
+
 if mode == "own_pg":
     dist.init_process_group("gloo")
 session = Session.start(ckpt_dir="ckpt", ckpt_interval=2, async_save=True)
@@ -141,6 +149,8 @@ state = TrainState(model, opt, extra=extra, stateful=stateful)
 if mode == "save_before_resume":
     session.save(0, state)
 step = session.resume(state)
+if mode == "added_after_resume":
+    state.stateful["late"] = PerRank(Late())
 while step < 4:
     step += 1
     state.step = step
@@ -159,6 +169,7 @@ sys.exit(session.finish(step, state))
     ("tensor_count", "the training position cannot be saved as JSON"),
     ("unpicklable", "stateful 'holder' (Holder, PerRank): its state_dict() cannot be saved"),
     ("own_pg", "the default process group was already initialized"),
+    ("added_after_resume", "state.stateful changed after session.resume(state)"),
 ])
 def test_a_misuse_of_the_library_ends_every_rank_with_exit_78_and_one_sentence(tmp_path, mode, says):
     """Each of these was a traceback and exit 1 (retried, as a passing fault would be), a hang, or a silent change
@@ -204,7 +215,19 @@ import sys
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from train_entry import Session, TrainState
+from train_entry import Replicated, Session, TrainState
+
+
+class Seen:  # a set of strings, the same on every rank, whose order follows each process's string hashes
+    def __init__(self):
+        self.files = set()
+
+    def state_dict(self):
+        return {"files": self.files}
+
+    def load_state_dict(self, sd):
+        self.files = set(sd["files"])
+
 
 total, out = int(sys.argv[1]), sys.argv[2]
 session = Session.start(ckpt_dir="ckpt", ckpt_interval=5, async_save=True)
@@ -216,7 +239,10 @@ fully_shard(model)
 hidden = [p for n, p in model.named_parameters() if n.startswith("2.")]
 rest = [p for n, p in model.named_parameters() if not n.startswith("2.")]
 opts = [torch.optim.SGD(hidden, lr=0.01, momentum=0.9), torch.optim.AdamW(rest, lr=1e-3)]
-state = TrainState(model, opts)
+scheds = [torch.optim.lr_scheduler.StepLR(opts[0], 3, 0.5),
+          torch.optim.lr_scheduler.LambdaLR(opts[1], lambda s: 1 / (1 + s))]
+seen = Seen()
+state = TrainState(model, opts, scheds, stateful={"seen": Replicated(seen)})
 step = session.resume(state)
 while step < total:
     g = torch.Generator().manual_seed(step * 10 + session.rank)
@@ -226,12 +252,16 @@ while step < total:
     loss.backward()
     for o in opts:
         o.step()
+    for sched in scheds:
+        sched.step()
     step += 1
+    seen.files.add(f"shard-{step:05d}.tar")
     state.step = step
     session.beat(step, loss)
     if session.should_save(step):
         session.save(step, state)
 sd = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}  # collective: before finish()
+sd["seen"] = torch.tensor(sorted(int(f[6:11]) for f in seen.files))
 code = session.finish(step, state)
 torch.save(sd, f"{out}.rank{session.rank}.pt")
 # Under plain torchrun, 3 of 66 runs of this script died of SIGABRT ("terminate called without an active
@@ -247,7 +277,9 @@ os._exit(code)
 @pytest.mark.matrix
 def test_two_optimizers_over_one_fsdp2_model_resume_bitwise(tmp_path):
     """Muon beside AdamW, a GAN's two: a second optimizer had no way into the checkpoint (TrainState took one,
-    and a Sharded declaration of the second failed before its first step, holding no state yet)."""
+    and a Sharded declaration of the second failed before its first step, holding no state yet). Their two
+    schedulers, as a list (an AttributeError at the first save), and a Replicated set of strings, which plain
+    torchrun's ranks (each its own string hashes) took for a state that differs between them (exit 78)."""
     script = tmp_path / "two_opts.py"
     script.write_text(TWO_OPTIMIZERS)
     straight, resumed = straight_and_resumed(tmp_path)

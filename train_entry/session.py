@@ -120,6 +120,12 @@ class Session:
             print(f"resilient: {' and '.join(missing)} not set: start this script with torchrun "
                   "(`torchrun --nproc-per-node N SCRIPT`) or with `resilient run JOB.yaml`.", file=sys.stderr)
             sys.exit(EXIT_CONFIG)
+        if ckpt_interval is not None and (isinstance(ckpt_interval, bool) or not isinstance(ckpt_interval, int)
+                                          or ckpt_interval < 1):
+            print(f"resilient: Session.start(ckpt_interval={ckpt_interval!r}): give a whole number of steps, 1 or "
+                  f"more, or None for {DEFAULT_INTERVAL} (under `resilient run`, the job's checkpoint.interval_steps "
+                  "wins, `auto` included).", file=sys.stderr)
+            sys.exit(EXIT_CONFIG)
         h = Handover.from_env()
         rank = int(os.environ.get("RANK", 0))
         _setup_logging(rank)
@@ -286,6 +292,7 @@ class Session:
         the object or its declaration, and every checkpoint of the run would fail the same way.
         """
         self.ckpt.wait()  # a save in flight gathers on the checkpoint group too
+        state.settle()  # the stateful objects declared now are the ones resumed
         self.beater.set_phase("load", now=True)
         t_resume = time.monotonic()
         step, tier, why = self._choose_resume_step()
@@ -312,7 +319,7 @@ class Session:
                 raise
             except BaseException as e:  # DCP's CheckpointException is a BaseException; every failure is news
                 self._exit_unloadable(step, path, e)
-            if state.stateful:
+            if state.stateful or problem is not None:  # without stateful objects, only the scheduler's: every rank's
                 self._stop_unless_all_fine(problem, f"resume from {path.name}")
             if state.step != step:
                 self._exit_unloadable(step, path, RuntimeError(f"it holds step {state.step}, expected {step}"))
@@ -342,6 +349,8 @@ class Session:
         if ignored and self.ctx.is_main:
             log.warning("the checkpoint holds stateful %s, which this run does not declare: not restored",
                         ", ".join(map(repr, ignored)))
+        if state.scheduler is None and any(k.startswith("scheduler.") for k in keys) and self.ctx.is_main:
+            log.warning("the checkpoint holds an LR scheduler, which this run does not have: not restored")
         return state.template(self.rank, keys, world_size=self.world_size)
 
     def _gather(self, mine: Any) -> list[Any]:

@@ -65,13 +65,14 @@ class TrainState:
     `step`, `samples_seen`, `tokens_seen` and `extra` (small JSON values: a user's own counters, restored into
     the same dict) must be the same on every rank: global counts. A checkpoint keeps rank 0's. `stateful`
     holds the loop's other objects with state_dict()/load_state_dict(), each declared Replicated, Sharded or
-    PerRank (train_entry.stateful): a GradScaler, an EMA, a stateful data loader. The declarations are read
-    once, when the TrainState is built.
+    PerRank (train_entry.stateful): a GradScaler, an EMA, a stateful data loader. They are checked when the
+    TrainState is built, read again if `stateful` changes before `Session.resume`, and may not change after it
+    (an object added then would never have been restored: a silent restart).
     """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]  # several: each over its own parameters
-    scheduler: Any = None
+    scheduler: Any = None  # or a list of them
     step: int = 0
     samples_seen: int = 0
     tokens_seen: int = 0
@@ -94,7 +95,46 @@ class TrainState:
                                 "optimizer's state is saved under its parameters' names, so each parameter may "
                                 "have one")
             seen |= mine
-        self._stateful = StatefulSet(self.stateful)  # checks names and declarations now, not at the first save
+        if seen - {id(p) for p in self.model.parameters()}:
+            raise TypeError("TrainState(model, optimizer): the optimizer holds a parameter that is not one of "
+                            "model.parameters(), whose state could not be saved under a name; build the optimizer "
+                            "from model.parameters() after fully_shard (which replaces them), and keep a learnable "
+                            "tensor of your own as a parameter of a module inside the model")
+        for sched in self._schedulers():
+            if not callable(getattr(sched, "state_dict", None)) or not callable(getattr(sched, "load_state_dict",
+                                                                                       None)):
+                raise TypeError(f"TrainState(model, optimizer, scheduler): the scheduler is a "
+                                f"{type(sched).__name__}, which has no state_dict() and load_state_dict(); pass an LR "
+                                "scheduler (or a list of them)")
+        # Checked now, not at the first save; read again if `stateful` changes before the resume.
+        self._stateful, self._declared, self._settled = StatefulSet(self.stateful), dict(self.stateful), False
+
+    def _schedulers(self) -> list[Any]:
+        if self.scheduler is None:
+            return []
+        return list(self.scheduler) if isinstance(self.scheduler, (list, tuple)) else [self.scheduler]
+
+    def _scheduler_state(self) -> Any:
+        if isinstance(self.scheduler, (list, tuple)):  # one entry each, by position
+            return {str(i): sched.state_dict() for i, sched in enumerate(self.scheduler)}
+        return self.scheduler.state_dict()
+
+    def _objects(self) -> StatefulSet:
+        """The declared objects as `stateful` holds them now. A change after the resume is a StatefulError: the
+        object was not restored, and saving it from here on would hide that it restarted."""
+        now = dict(self.stateful)
+        if now.keys() != self._declared.keys() or any(now[k] is not self._declared[k] for k in now):
+            if self._settled:
+                raise StatefulError(f"state.stateful changed after session.resume(state) ({sorted(now)} where "
+                                    f"{sorted(self._declared)} was resumed): what was added was never restored from "
+                                    "the checkpoint; declare every object before session.resume(state)")
+            self._stateful, self._declared = StatefulSet(now), now
+        return self._stateful
+
+    def settle(self) -> None:
+        """Called by Session.resume: from here on the declared objects are the ones resumed."""
+        self._objects()
+        self._settled = True
 
     def position(self) -> dict[str, Any]:
         """The training position as saved (JSON). Raises StatefulError for what JSON would not give back the
@@ -124,23 +164,23 @@ class TrainState:
             rng_key(rank): rng_state(device),
         }
         if self.scheduler is not None:
-            sd["scheduler"] = self.scheduler.state_dict()
-        sd.update(self._stateful.state_dict(rank))
+            sd["scheduler"] = self._scheduler_state()
+        sd.update(self._objects().state_dict(rank))
         return sd
 
     def check_stateful(self) -> dict[str, str]:
         """Check the stateful objects against their declarations (StatefulError if one does not fit); return
         the digests of the replicated ones, for the ranks to compare."""
-        return self._stateful.check()
+        return self._objects().check()
 
     def replicated_keys(self) -> dict[str, str]:
         """The state dict's keys that every rank offers with the same bytes (DCP saves one rank's), with what
         each holds."""
-        return self._stateful.replicated_keys()
+        return self._objects().replicated_keys()
 
     def stateful_differs(self, digests: list[dict[str, str]]) -> str | None:
         """Why the ranks' replicated states are not the same (a sentence), or None."""
-        return self._stateful.differing(digests)
+        return self._objects().differing(digests)
 
     def template(self, rank: int, keys: set[str], *, world_size: int) -> dict[str, Any]:
         """A state dict shaped for DCP to load into: this run's sharding, the checkpoint's optional keys.
@@ -149,21 +189,28 @@ class TrainState:
         sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "train": ""}
         if rng_key(rank) in keys:
             sd[rng_key(rank)] = b""
-        if self.scheduler is not None and any(k.startswith("scheduler.") for k in keys):
-            sd["scheduler"] = self.scheduler.state_dict()
-        sd.update(self._stateful.template(rank, world_size, keys))
+        if self.scheduler is not None:
+            if not any(k.startswith("scheduler.") for k in keys):
+                raise StatefulError("the LR scheduler is not in this checkpoint (added since it was written?): "
+                                    "resuming would restart its schedule from the beginning; remove it, or start "
+                                    "a new run")
+            sd["scheduler"] = self._scheduler_state()
+        sd.update(self._objects().template(rank, world_size, keys))
         return sd
 
     def undeclared_stateful(self, keys: set[str]) -> list[str]:
         """Stateful objects the checkpoint holds and this run does not declare."""
-        return self._stateful.undeclared(keys)
+        return self._objects().undeclared(keys)
 
     def load(self, sd: dict[str, Any], rank: int, device: torch.device, seed: int, *,
              world_size: int) -> list[str]:
         """Restore everything from a loaded `template`. Returns a note per stateful object restored; raises
         StatefulError naming an object whose own load_state_dict (or reshard hook) failed."""
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        if self.scheduler is not None and "scheduler" in sd:
+        if isinstance(self.scheduler, (list, tuple)):
+            for i, sched in enumerate(self.scheduler):
+                sched.load_state_dict(sd["scheduler"][str(i)])
+        elif self.scheduler is not None:
             self.scheduler.load_state_dict(sd["scheduler"])
         pos = json.loads(sd["train"])
         self.step, self.samples_seen, self.tokens_seen = pos["step"], pos["samples_seen"], pos["tokens_seen"]
@@ -172,7 +219,7 @@ class TrainState:
         try:
             # Before the RNG: an object's load_state_dict may draw random numbers, which the uninterrupted
             # run never drew; restoring the RNG afterwards keeps the resumed run on the same stream.
-            return self._stateful.load(sd, rank, world_size)
+            return self._objects().load(sd, rank, world_size)
         finally:
             if rng_key(rank) in sd:
                 set_rng_state(sd[rng_key(rank)], device)

@@ -92,18 +92,35 @@ Declared = Replicated | Sharded | PerRank
 
 
 def pack(state: Any) -> bytes:
-    """A state dict as bytes (torch.save: tensors, numbers, strings, nested containers). Tensors go to the CPU
-    first: torch.save writes each one's device (`cuda:1`), so the same values on two GPUs would be different bytes
-    (and a Replicated object's ranks would seem to differ). They come back on the CPU; load_state_dict copies them
-    where they belong."""
+    """A state dict as bytes (torch.save: tensors, numbers, strings, nested containers). The same state packs to
+    the same bytes on every rank: tensors go to the CPU first (torch.save writes each one's device, `cuda:1`), and
+    sets are written sorted. Tensors come back on the CPU; load_state_dict copies them where they belong."""
     buf = io.BytesIO()
     torch.save(_on_cpu(state), buf)
     return buf.getvalue()
 
 
+class _SortedSet(set):
+    """A set pickled in a fixed order: a set of strings iterates in the order of the process's string hashes
+    (PYTHONHASHSEED), so two ranks holding the same set pickled different bytes and a Replicated object seemed
+    to differ between them. It unpickles as a plain set."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return set, (sorted(self, key=repr),)
+
+
+class _SortedFrozenSet(frozenset):
+    def __reduce__(self) -> tuple[Any, ...]:
+        return frozenset, (sorted(self, key=repr),)
+
+
 def _on_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu() if obj.device.type != "cpu" else obj
+    if type(obj) is set:
+        return _SortedSet(obj)
+    if type(obj) is frozenset:
+        return _SortedFrozenSet(obj)
     if isinstance(obj, dict):
         out = copy.copy(obj)  # the dict's own type: an OrderedDict, a defaultdict
         for k, v in obj.items():
