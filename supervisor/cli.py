@@ -11,46 +11,16 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
 import typer
-from typer.core import TyperGroup
 
 from supervisor import __version__, render
 from supervisor.errors import ExitCode, ResilientError, UsageError
-
-
-def _is_usage_error(e: BaseException) -> bool:
-    """click's UsageError (typer carries its own copy of click in newer releases, so matched by name)."""
-    return any(c.__name__ == "UsageError" for c in type(e).__mro__) and hasattr(e, "format_message") \
-        and type(e).__name__ != "NoArgsIsHelpError"
-
-
-class _OneSentenceErrors(TyperGroup):
-    """Usage errors (an unknown option, a value of the wrong type, a missing argument) as the contract's one
-    sentence on stderr with exit 2, where click prints three lines of usage, hint and error."""
-
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
-        if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
-        try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
-        except Exception as e:
-            if not _is_usage_error(e):
-                if hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
-                    e.show()  # click's other errors (no arguments: the help), as click would print them
-                    sys.exit(e.exit_code)
-                raise
-            ctx = getattr(e, "ctx", None)
-            path = " ".join(["resilient", *(ctx.command_path.split()[1:] if ctx is not None else [])])
-            what = " ".join(e.format_message().split()).rstrip(".")
-            render.err.print(f"{path}: {what}; see `{path} --help`.", markup=False, soft_wrap=True)
-            sys.exit(ExitCode.USAGE)
-        sys.exit(code if isinstance(code, int) else 0)
-
+from supervisor.usage import OneSentenceErrors
 
 app = typer.Typer(
-    cls=_OneSentenceErrors,
+    cls=OneSentenceErrors,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,

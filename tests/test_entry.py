@@ -238,6 +238,7 @@ def test_final_checkpoint_exports_to_a_single_torch_file(tmp_path):
     for args, words in (([tmp_path / "checkpoints", tmp_path / "m.pt"], f"e.g. {final.path}"),
                         ([final.path, tmp_path / "nowhere" / "m.pt"], "does not exist"),
                         ([final.path, tmp_path], f"is a folder; name the file to write, e.g. {tmp_path}/model.pt"),
+                        ([final.path, final.path], f"inside the checkpoint {final.path}"),  # not "e.g. it/model.pt"
                         ([final.path, final.path / "model.pt"], f"inside the checkpoint {final.path}"),
                         ([final.path, other / "model.pt"], f"inside the checkpoint {other}")):
         out = subprocess.run([sys.executable, "-m", "train_entry.export", *map(str, args)], capture_output=True,

@@ -557,3 +557,26 @@ def test_status_watch_into_a_reader_that_leaves_exits_0(tmp_path):
                              shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and json.loads(out.stdout)["state"] == "running", (out.returncode, out.stderr)
     assert out.stderr == ""
+
+
+def test_ctrl_c_of_a_follow_exits_130_and_usage_errors_name_the_command_as_started(tmp_path):
+    """click's Abort (Ctrl-C, an EOF) escaped the one-sentence errors as a traceback on click releases that raise
+    it; `python -m supervisor run --bogus` named the command `resilient -m supervisor run`."""
+    import signal
+
+    from tests.proc import child_env, started, wait_for
+
+    _state_file(tmp_path, state=state.RunState.RUNNING)
+    (tmp_path / "logs" / "attempt_1").mkdir(parents=True)
+    argv = [sys.executable, "-m", "supervisor", "logs", str(tmp_path), "--follow"]
+    with RunLock(tmp_path), started(argv, tmp_path, log=tmp_path / "follow.log") as follow:
+        wait_for(lambda: "==> attempt 1" in follow.output(), 30, "logs --follow in its loop")
+        follow.signal(signal.SIGINT)
+        assert follow.wait(30) == 130 and "Traceback" not in follow.output(), follow.output()
+    r = subprocess.run([sys.executable, "-m", "supervisor", "run", "--bogus"], capture_output=True, text=True,
+                       env=child_env(), timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("resilient run: No such option: --bogus; see `resilient run "
+                                                     "--help`."), r.stderr
+    r = subprocess.run([sys.executable, "-m", "supervisor", "status", "--json", "--bogus"], capture_output=True,
+                       text=True, env=child_env(), timeout=60)
+    assert r.returncode == 2 and json.loads(r.stdout)["exit_code"] == 2 and r.stderr == "", r

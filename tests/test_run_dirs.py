@@ -216,19 +216,22 @@ def test_logs_names_what_is_missing(finished_run, cli):
 
 def test_logs_streams_a_big_log_a_chunk_at_a_time(tmp_path, monkeypatch):
     """`logs` read each whole file into memory (about 900 MB of RSS for a 204 MB log): now a chunk at a time,
-    lines cut across chunks joined whole, a last line without its newline printed at the end."""
+    lines cut across chunks joined whole, characters cut across chunks kept whole, a line longer than a chunk
+    (a progress bar redrawn with \\r, no newline for megabytes) printed in pieces under one prefix, and a last
+    line without its newline printed at the end."""
     from supervisor.commands import logs
 
     monkeypatch.setattr(logs, "CHUNK", 7)
     log = tmp_path / "out.log"
-    log.write_bytes("alpha\nbéta gamma\n\ndelta".encode())
-    tail = logs.Tail(log, "[rank 0 out] ")
+    bar = "\r".join(f"{i}% ████" for i in range(0, 101, 10))
+    log.write_bytes(f"alpha\nbéta gamma\n\n{bar}\ndelta".encode())
+    tail = logs.Tail(log, "[r0] ")
     chunks = list(tail.read())
-    assert len(chunks) > 1 and max(len(c) for c in chunks) < 40, "one chunk of lines at a time"
-    assert "".join(chunks) == "[rank 0 out] alpha\n[rank 0 out] béta gamma\n[rank 0 out] \n"
+    assert max(len(c) for c in chunks) < 40 and "\ufffd" not in "".join(chunks), chunks
+    assert "".join(chunks) == f"[r0] alpha\n[r0] béta gamma\n[r0] \n[r0] {bar}\n"
     with log.open("ab") as f:
         f.write(b" epsilon\n")
-    assert "".join(tail.read(final=True)) == "[rank 0 out] delta epsilon\n"
+    assert "".join(tail.read(final=True)) == "[r0] delta epsilon\n"
     assert list(tail.read(final=True)) == []
 
 

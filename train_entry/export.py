@@ -58,15 +58,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(extra['nodes'])} nodes'; export the durable tier's step_{info.step:09d} (checkpoint.dir).",
               file=sys.stderr)
         return 2
-    if os.path.isdir(args.out):  # found only after the whole load, by torch.save
-        print(f"{args.out}: is a folder; name the file to write, e.g. {os.path.join(args.out, 'model.pt')}.",
-              file=sys.stderr)
-        return 2
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         print(f"{args.out}: its folder {out_dir} does not exist; create it or name another file.", file=sys.stderr)
         return 2
-    real_ckpt, real_out = os.path.realpath(args.checkpoint), os.path.realpath(out_dir)
+    real_ckpt = os.path.realpath(args.checkpoint)
+    real_out = os.path.realpath(args.out if os.path.isdir(args.out) else out_dir)
     # Inside this checkpoint or any other of its root (a step folder, a partial): an unlisted file there makes that
     # checkpoint corrupt.
     folders = [real_ckpt, *(os.path.realpath(d) for d in store.checkpoint_dirs(os.path.dirname(real_ckpt),
@@ -75,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if inside is not None:
         print(f"{args.out}: inside the checkpoint {inside}, where an unlisted file makes it corrupt; name a file "
               "outside the checkpoint folders.", file=sys.stderr)
+        return 2
+    if os.path.isdir(args.out):  # torch.save would find it only after the whole load
+        print(f"{args.out}: is a folder; name the file to write, e.g. {os.path.join(args.out, 'model.pt')}.",
+              file=sys.stderr)
         return 2
     try:
         whole = load_whole(args.checkpoint)

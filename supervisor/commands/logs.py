@@ -26,15 +26,16 @@ ORPHAN_BEAT_S = 60.0  # a rank that beat this recently, still alive, may still w
 
 @dataclass
 class Tail:
-    """One log file read incrementally; a line is printed only once it is complete (or at the end)."""
+    """One log file read incrementally, a chunk at a time: a line is printed once it is complete (or at the end),
+    and a line longer than a chunk (a progress bar redrawn with \\r) in pieces, so nothing big is held."""
 
     path: Path
     prefix: str
     offset: int = 0
-    pending: bytes = b""
+    pending: bytes = b""  # the start of an unfinished line: under CHUNK bytes
+    mid_line: bool = False  # part of the current line was printed already, with its prefix
 
     def read(self, final: bool = False) -> Iterator[str]:
-        """The complete lines written since the last read, a chunk at a time: a big log never sits in memory."""
         try:
             f = os.fdopen(open_regular(self.path), "rb")  # a FIFO would hang the reader
         except OSError:
@@ -44,13 +45,36 @@ class Tail:
                 f.seek(self.offset)
                 while data := f.read(CHUNK):
                     self.offset += len(data)
-                    lines = (self.pending + data).split(b"\n")
-                    self.pending = lines.pop()
-                    if lines:
-                        yield "".join(self.prefix + line.decode(errors="replace") + "\n" for line in lines)
-        if final and self.pending:
-            yield self.prefix + self.pending.decode(errors="replace") + "\n"
-            self.pending = b""
+                    yield from self._take(data)
+        if final and (self.pending or self.mid_line):
+            yield self._head() + self.pending.decode(errors="replace") + "\n"
+            self.pending, self.mid_line = b"", False
+
+    def _take(self, data: bytes) -> Iterator[str]:
+        *done, rest = data.split(b"\n")
+        if done:
+            first = self._head() + (self.pending + done[0]).decode(errors="replace") + "\n"
+            yield first + "".join(self.prefix + line.decode(errors="replace") + "\n" for line in done[1:])
+            self.pending, self.mid_line = rest, False
+        else:
+            self.pending += rest
+        if len(self.pending) >= CHUNK:
+            cut = _whole_characters(self.pending)
+            yield self._head() + self.pending[:cut].decode(errors="replace")
+            self.pending, self.mid_line = self.pending[cut:], True
+
+    def _head(self) -> str:
+        return "" if self.mid_line else self.prefix
+
+
+def _whole_characters(data: bytes) -> int:
+    """How much of `data` ends on a whole UTF-8 character (a character cut between chunks waits for the rest)."""
+    cut = len(data)
+    while cut > len(data) - 4 and cut > 0 and data[cut - 1] & 0xC0 == 0x80:  # continuation bytes
+        cut -= 1
+    if cut > 0 and data[cut - 1] >= 0xC0:  # a lead byte whose character may be incomplete
+        cut -= 1
+    return cut or len(data)
 
 
 @dataclass
@@ -179,6 +203,7 @@ def main(target: str | None, rank: int | None, attempt: int | None, follow: bool
 def _follow(run_dir: Path, files: list[Path], nodes: list[NodeLogs], rank: int | None, attempt: int | None,
             poll_s: float) -> int:
     by_dir = {nl.node_dir: nl for nl in nodes}
+    seen_rank = False  # --rank R: R had output in some attempt followed
     for nl in nodes:
         _header(nl)
     while True:
@@ -197,11 +222,12 @@ def _follow(run_dir: Path, files: list[Path], nodes: list[NodeLogs], rank: int |
             _header(nl)
         for nl in by_dir.values():
             nl.discover(rank)
+            seen_rank = seen_rank or bool(nl.tails)
             _write(nl.read(final=over))
         if over:
             if attempt is not None and not by_dir:  # the run ended (or never ran) without it
                 raise _no_attempt(run_dir, attempt)
-            if rank is not None and by_dir and not any(nl.tails for nl in by_dir.values()):
+            if rank is not None and by_dir and not seen_rank:
                 raise _no_rank(run_dir, list(by_dir.values()), rank)  # after all that waiting, say why nothing came
             return ExitCode.OK
         time.sleep(poll_s)

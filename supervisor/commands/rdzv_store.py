@@ -17,32 +17,38 @@ from supervisor import render
 from supervisor.errors import ExitCode, UsageError
 
 
-def _check_host(host: str) -> None:
-    """--host must name this machine: the store's own client connects through it, and an unresolvable or
-    foreign name made it retry for about 50 s and then blame the port."""
+def _local(host: str) -> bool:
+    """`host` resolves (UsageError if not) to an address of this machine."""
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError as e:
         raise UsageError(f"--host {host!r} does not resolve ({e.strerror or e}); give this machine's name or "
                          "address.") from None
     for family, kind, proto, _, addr in infos:
-        with socket.socket(family, kind, proto) as s:
-            try:
-                s.bind((addr[0], 0))
-                return
-            except OSError:
-                continue
-    raise UsageError(f"--host {host!r} resolves to {infos[0][4][0]}, which is not an address of this machine; "
-                     "run rdzv-store on that machine, or give this machine's name or address.")
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind((addr[0], 0, *addr[2:]))  # an IPv6 address keeps its flow info and scope (fe80::…%eth0)
+                return True
+        except OSError:  # not ours, or a family this kernel lacks (IPv6 turned off)
+            continue
+    return False
 
 
 def main(host: str, port: int) -> int:
-    _check_host(host)
+    # The store listens on every interface; its own client connects through --host, which must lead back here.
+    local = _local(host)
+    if not local:
+        render.err.print(f"--host {host} is not an address of this machine: the store's own client connects "
+                         "through it, which works only where it leads back here (a Service, a NAT)", markup=False)
     from torch.distributed import TCPStore  # only this command and `run` need torch
 
     try:
         store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=30))
     except (RuntimeError, OSError) as e:
+        if not local:
+            raise UsageError(f"cannot start the store: {host}:{port} did not lead back to this machine ({e}); run "
+                             "rdzv-store on the machine --host names, or give this machine's name or address.") \
+                from None
         raise UsageError(f"cannot listen on {host}:{port} ({e}); pick another --port.") from None
     stop = threading.Event()
     got: list[int] = []
