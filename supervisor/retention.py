@@ -14,7 +14,7 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -61,7 +61,8 @@ def _folder_size(path: Path) -> int:
     return total
 
 
-def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive: bool) -> Plan:
+def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive: bool,
+         handed_over: Collection[int] = ()) -> Plan:
     """Decide what to delete under `root`.
 
     Args:
@@ -69,6 +70,7 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
         infos: `store.scan(root)`, oldest first.
         keep: how many of the newest valid checkpoints survive; at least 1.
         owner_alive: a supervisor holds the run dir, so its newest partial save may be live.
+        handed_over: steps a live supervisor has handed its relaunched ranks to load (a rollback's older step).
     """
     if keep < 1:
         raise ValueError("keep must be at least 1: the newest valid checkpoint is never deleted")
@@ -84,6 +86,8 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
         older = newest_valid is not None and info.step < newest_valid
         if info.quarantined:
             spared.append((info, "quarantined: resilient never deletes it; remove it by hand once understood"))
+        elif info.valid and info.step in handed_over:
+            spared.append((info, "a live supervisor handed this step to its relaunched ranks to load"))
         elif info.valid:
             remove.append(Removal(info.path, info.step, info.size_bytes, f"older than the {keep} newest valid"))
         elif info.status is store.Status.UNREADABLE and not info.partial:

@@ -203,3 +203,25 @@ def test_gc_verify_keeps_an_older_whole_checkpoint_when_the_newest_has_a_flipped
     assert "checksum mismatch" in doc["removed"][0]["why"]
     assert store.inspect(root / store.step_dirname(1), deep=True).valid
     assert read_under_lock == []
+
+
+def test_gc_of_a_live_run_spares_the_step_its_supervisor_handed_over_for_a_rollback(tmp_path, cli):
+    """A NaN rolled the run back to step 50 while step 100 stayed valid; `gc --keep 1` at that moment deleted 50
+    before the ranks read it, and they started afresh from step 0."""
+    from supervisor.lock import RunLock
+
+    root = tmp_path / "checkpoints"
+    for step in (50, 100):
+        write_checkpoint(root, step)
+    rec = state.RunRecord(name="x", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.RUNNING,
+                          attempt=2)
+    rec.history += [state.AttemptRecord(attempt=1, started_at=1.0, resumed_from_step=None, ended_at=2.0,
+                                        reason="nan"),
+                    state.AttemptRecord(attempt=2, started_at=3.0, resumed_from_step=50)]
+    state.write(tmp_path / "state.json", rec)
+    with RunLock(tmp_path):
+        r = cli("gc", tmp_path, "--keep", "1", "--json")
+        assert r.exit_code == 0 and json.loads(r.stdout)["removed"] == [], r.output
+        assert store.inspect(root / store.step_dirname(50)).valid
+    r = cli("gc", tmp_path, "--keep", "1", "--json")  # nobody loads it any more
+    assert r.exit_code == 0 and [x["step"] for x in json.loads(r.stdout)["removed"]] == [50], r.output

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor import layout, lock, render, retention, store, targets
+from supervisor import layout, lock, render, retention, state, store, targets
 from supervisor.errors import ExitCode, ResilientError, UsageError
 from supervisor.fsutil import file_identity, write_problem
 from supervisor.replicate import ROOT_LOCK, root_lock, split_unreplicated
@@ -88,6 +88,17 @@ def _name(r: retention.Removal) -> str:
 
 def owner_alive(run_dir: Path | None) -> bool:
     return run_dir is not None and any(lock.holder(d) for d in [run_dir, *layout.node_dirs(run_dir)])
+
+
+def handed_over(run_dir: Path | None) -> set[int]:
+    """The steps the live supervisors of the run have handed their current attempts' ranks to load: a rollback's
+    older step, which the ranks may not have read yet (deleting it made them start afresh)."""
+    steps = set()
+    for n in state.read_nodes(layout.state_files(run_dir) if run_dir is not None else []):
+        last = n.record.history[-1] if n.alive and n.record is not None and n.record.history else None
+        if last is not None and last.ended_at is None and last.resumed_from_step is not None:
+            steps.add(last.resumed_from_step)
+    return steps
 
 
 def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local: int | None = None,
@@ -173,15 +184,16 @@ def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_
     infos = store.scan(root, quarantined=True) if root is not None else []
     if deep is not None:  # before anything is judged: a checkpoint kept in place of older ones is whole to its bytes
         infos = deep.read(infos, keep)
-    plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=owner_alive(t.run_dir))
+    loading = handed_over(t.run_dir)
+    plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=owner_alive(t.run_dir), handed_over=loading)
     local = []
     durable = {i.step for i in infos if i.valid}
     for node, lroot in targets.local_tiers(t):  # planned before anything is deleted anywhere
         linfos = store.scan(lroot, quarantined=True)
         if deep is not None:
             linfos = deep.read(linfos, keep_local)
-        lplan, held = split_unreplicated(retention.plan(lroot, linfos, keep_local,
-                                                        owner_alive=owner_alive(t.run_dir)), linfos, durable)
+        lplan, held = split_unreplicated(retention.plan(lroot, linfos, keep_local, owner_alive=owner_alive(t.run_dir),
+                                                        handed_over=loading), linfos, durable)
         by_path = {i.path: i for i in linfos}
         spared = [*lplan.spared, *((by_path[r.path], UNREPLICATED) for r in held)]
         local.append((node, lroot, retention.Plan(lplan.kept, lplan.remove, spared)))
