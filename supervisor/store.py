@@ -411,6 +411,9 @@ def publish(partial: Path, step: int, world_size: int, records: Sequence[FileRec
     atomic_write_bytes(partial / MARKER, manifest.to_json(), durable=True)
     root = partial.parent
     final = root / step_dirname(step)
+    if final.exists() and inspect(final).status is Status.UNREADABLE:
+        # Nothing is known about its bytes, and such a folder is never deleted: set aside, kept for its owner.
+        quarantine(final, f"an unreadable step_{step:09d} found when this step was saved again")
     if final.exists():
         # An older attempt's folder for the same step (invalid, or superseded after a rollback):
         # move it aside first so the rename below is atomic, then drop it.
@@ -614,7 +617,8 @@ def quarantine(path: str | os.PathLike, reason: str) -> Path:
     fsync_dir(path.parent)
     doc = {"reason": reason, "at": iso(time.time()), "was": path.name, "by": {"pid": os.getpid(),
                                                                             "host": socket.gethostname()}}
-    atomic_write_bytes(target / QUARANTINE_FILE, (json.dumps(doc, indent=1) + "\n").encode())
+    with contextlib.suppress(OSError):  # a folder this user cannot write into is set aside all the same
+        atomic_write_bytes(target / QUARANTINE_FILE, (json.dumps(doc, indent=1) + "\n").encode())
     return target
 
 

@@ -225,3 +225,22 @@ def test_gc_of_a_live_run_spares_the_step_its_supervisor_handed_over_for_a_rollb
         assert store.inspect(root / store.step_dirname(50)).valid
     r = cli("gc", tmp_path, "--keep", "1", "--json")  # nobody loads it any more
     assert r.exit_code == 0 and [x["step"] for x in json.loads(r.stdout)["removed"]] == [50], r.output
+
+
+def test_saving_a_step_again_sets_an_unreadable_folder_of_that_step_aside_instead_of_deleting_it(tmp_path,
+                                                                                                monkeypatch):
+    """A rerun that saved step 200 again replaced an unreadable step_200 (whose bytes nobody could judge, and which
+    gc promises never to delete) without a word."""
+    root = tmp_path / "ckpt"
+    old = write_checkpoint(root, 200)
+    marker = old / store.MARKER
+    doc = json.loads(marker.read_bytes())
+    doc["checksum_algorithm"] = "crc32c"
+    marker.write_text(json.dumps(doc))
+    monkeypatch.setitem(sys.modules, "crc32c", None)  # unreadable here: its checksum package is missing
+    assert store.inspect(old).status is store.Status.UNREADABLE
+    new = write_checkpoint(root, 200)
+    assert store.inspect(new).valid
+    aside = root / (store.step_dirname(200) + store.QUARANTINE_SUFFIX)
+    assert json.loads((aside / store.MARKER).read_bytes())["checksum_algorithm"] == "crc32c"
+    assert "unreadable step_000000200" in store.quarantine_reason(aside)
