@@ -85,7 +85,7 @@ class Supervisor:
         self._stop_signal: int | None = None
         self._wake = threading.Event()
         self._blocking: dict[int, float] = {}
-        self._announced: set[int] = set()
+        self._announced: set[tuple[int, int]] = set()  # (attempt, step): a rollback's attempt commits a step again
         self.record = self._load_record()
         self.accounting = Accounting.from_dict(self.record.accounting.get("ledger"), last_seen=self._prev_updated_at)
         self._restarts_before = self.record.restarts  # the budget is per invocation; the count is not
@@ -382,9 +382,9 @@ class Supervisor:
 
     def on_checkpoint(self, commit: CommitRecord, mine: bool) -> None:
         """A new valid checkpoint: announce it once; the node whose rank 0 committed it applies retention."""
-        if commit.step in self._announced:
+        if (self.record.attempt, commit.step) in self._announced:
             return
-        self._announced.add(commit.step)
+        self._announced.add((self.record.attempt, commit.step))
         self.record.last_checkpoint_step = commit.step
         removed = ""
         if self.replicator is not None:  # a local commit: the replicator copies it and keeps both tiers' retention

@@ -334,6 +334,7 @@ def test_nan_rolls_back_once_then_stops(tmp_path):
     assert [h["reason"] for h in doc["history"]] == ["nan", "nan"]
     assert doc["history"][1]["resumed_from_step"] == 20
     assert "rolling back" in console and "non-finite again after a rollback" in doc["message"]
+    assert console.count("checkpoint step 40 committed") == 2, console  # the rollback's commit was not said
 
 
 def test_a_module_that_cannot_be_imported_is_a_config_error(tmp_path):
