@@ -116,6 +116,9 @@ class RankWatch:
             elif phase in ("startup", "load"):
                 if since_launch > self.startup_timeout_s:
                     found.append(Hang(rank, STARTUP, since_launch, s.hb.step, phase))
+            elif phase == "save":  # not held to the step's pace, but not forever either (a hung NFS mount)
+                if now - s.step_at > self.startup_timeout_s:
+                    found.append(Hang(rank, STARTUP, now - s.step_at, s.hb.step, phase))
             elif phase == "train" and s.hb.first_step_at is None and since_launch <= self.startup_timeout_s:
                 continue  # its first step: the startup's allowance
             elif phase == "train" and now - s.step_at > limit:

@@ -237,6 +237,13 @@ def test_hang_rules_with_injected_time():
         w2.observe({0: hb(0, phase="save", seq=t, step=5)}, now=t)
     w2.observe({0: hb(0, phase="train", seq=81, step=5)}, now=81)
     assert w2.hangs(82) == []
+    # ...but not forever (a save stuck on a hung NFS mount, beating all along): the startup's allowance.
+    w4 = RankWatch(0.0, 10, 100)
+    w4.observe({0: hb(0, phase="train", seq=1, step=5)}, now=1)
+    for t in range(2, 104):
+        w4.observe({0: hb(0, phase="save", seq=t, step=5)}, now=t)
+    assert w4.hangs(101.5) == []
+    assert [(h.kind, h.describe()) for h in w4.hangs(103.5)] == [(STARTUP, "rank 0 still in save after 102s")]
     w3 = RankWatch(0.0, 10, 30, expected_ranks=1)
     assert [h.kind for h in w3.hangs(31)] == [NO_HEARTBEAT]
     w3.observe({0: hb(0, phase="startup", seq=1)}, now=25)
