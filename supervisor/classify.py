@@ -171,8 +171,11 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
     if code == EXIT_PREEMPTED:
         return AttemptOutcome(api.PREEMPTED, f"{where} was preempted (SIGTERM) and exited with code {code}",
                               rank, code, step)
-    if code == EXIT_NAN:
-        return AttemptOutcome(api.NAN, f"{where} saw a non-finite loss near step {step}", rank, code, step)
+    if code == EXIT_NAN:  # the rank names the step whose loss it was; an older one said only "nan"
+        hb = heartbeats.get(rank)
+        said = re.search(r"at step (\d+)", hb.exit_reason or "") if hb is not None else None
+        at = f"at step {said.group(1)}" if said else f"near step {step}"
+        return AttemptOutcome(api.NAN, f"{where} saw a non-finite loss {at}", rank, code, step)
     if code == EXIT_CHECKPOINT_LOAD:
         hb = heartbeats.get(rank)
         why = (hb.exit_reason if hb and hb.exit_reason else _last_line(log_text)).removeprefix("checkpoint_load: ")

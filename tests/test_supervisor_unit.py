@@ -144,8 +144,10 @@ def test_classify_prefers_the_killed_rank_over_its_collateral(tmp_path):
 def test_classify_without_a_summary():
     assert classify.classify(0, "", {}).reason == api.FINISHED
     assert classify.classify(-9, "", {}).reason == api.LAUNCHER_DIED
-    said = {0: hb(0, exit_code=EXIT_NAN, exit_reason="nan", time=5.0)}
+    said = {0: hb(0, exit_code=EXIT_NAN, exit_reason="nan", time=5.0, step=119)}
     assert classify.classify(1, "", said).reason == api.NAN
+    said = {0: hb(0, exit_code=EXIT_NAN, exit_reason="nan at step 120", time=5.0, step=119)}
+    assert "non-finite loss at step 120" in classify.classify(1, "", said).detail  # it said "near step 119"
     assert classify.classify(1, "torch.distributed.DistStoreError: wait timeout", {}).reason == api.RENDEZVOUS
     closed = "torch.distributed.elastic.rendezvous.api.RendezvousClosedError"
     assert classify.classify(1, closed, {0: hb(0)}).reason == api.RENDEZVOUS

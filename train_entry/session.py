@@ -594,7 +594,7 @@ class Session:
         try:
             self.ckpt.wait()  # a save of an earlier, finite step may still be in flight: let it land
         finally:
-            self.beater.stop(phase="exited", exit_code=EXIT_NAN, exit_reason="nan", saving_step=None)
+            self.beater.stop(phase="exited", exit_code=EXIT_NAN, exit_reason=f"nan at step {step}", saving_step=None)
         sys.exit(EXIT_NAN)
 
 
