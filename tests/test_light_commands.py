@@ -580,3 +580,18 @@ def test_ctrl_c_of_a_follow_exits_130_and_usage_errors_name_the_command_as_start
     r = subprocess.run([sys.executable, "-m", "supervisor", "status", "--json", "--bogus"], capture_output=True,
                        text=True, env=child_env(), timeout=60)
     assert r.returncode == 2 and json.loads(r.stdout)["exit_code"] == 2 and r.stderr == "", r
+
+
+def test_status_says_when_the_recorded_checkpoint_is_no_longer_valid_on_disk(tmp_path, cli):
+    """A finished run's step 60 truncated (or deleted) since: status went on calling it the last valid one."""
+    for step in (40, 60):
+        write_checkpoint(tmp_path / "checkpoints", step)
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=60, last_checkpoint_step=60, goodput=0.8)
+    assert "last_checkpoint_problem" not in json.loads(cli("status", tmp_path, "--json").stdout)
+    truncate(tmp_path / "checkpoints" / store.step_dirname(60) / "__1_0.distcp")
+    doc = json.loads(cli("status", tmp_path, "--json").stdout)
+    assert doc["last_checkpoint_step"] == 60 and doc["last_checkpoint_problem"].startswith("corrupt: __1_0.distcp is 4087 bytes")
+    assert doc["last_checkpoint_problem"].endswith("; newest valid: 40")
+    shutil.rmtree(tmp_path / "checkpoints" / store.step_dirname(60))
+    text = " ".join(cli("status", tmp_path).stdout.split())
+    assert "last valid checkpoint 60 (not valid on disk now: gone; newest valid: 40)" in text, text

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -99,6 +100,8 @@ class StatusResult:
                                                what=f"{self.run_dir}'s state file (checkpoint_dir)")),
             history=self._history(rec),
         )
+        if (gone := self.recorded_checkpoint_gone()) is not None:
+            d["last_checkpoint_problem"] = gone
         if len(self.nodes) > 1 or rec.node is not None:
             d["nodes"] = [{"node": n.record.node, "state": n.effective_state.value,
                            "supervisor_alive": n.supervisor_alive, "attempt": n.record.attempt,
@@ -117,6 +120,21 @@ class StatusResult:
             out.append(h)
         return out
 
+    def recorded_checkpoint_gone(self) -> str | None:
+        """Why the recorded last checkpoint is not valid on disk now (deleted, damaged since), with the newest
+        valid one; None when it is, or cannot be judged here (a local tier holds steps the durable root lacks)."""
+        rec = self.primary.record
+        if rec.last_checkpoint_step is None or rec.replication:
+            return None
+        root = layout.resolved(rec.checkpoint_dir, self.run_dir, what=f"{self.run_dir}'s state file (checkpoint_dir)")
+        path = root / store.step_dirname(rec.last_checkpoint_step)
+        info = store.inspect(path) if path.is_dir() else None
+        if info is not None and info.valid:
+            return None
+        newest = store.latest_valid(root) if root.is_dir() else None
+        return (f"{info.status.value}: {info.reason}" if info is not None else "gone") + \
+            f"; newest valid: {newest.step if newest is not None else 'none'}"
+
     def renderable(self) -> Group:
         p = self.primary
         rec = p.record
@@ -124,6 +142,8 @@ class StatusResult:
         sup = rec.supervisor
         alive = "alive" if p.supervisor_alive else "[red]not running[/]"
         ckpt = rec.last_checkpoint_step if rec.last_checkpoint_step is not None else "-"
+        if (gone := self.recorded_checkpoint_gone()) is not None:
+            ckpt = f"{ckpt} [yellow](not valid on disk now: {escape(gone)})[/]"
         lines = [
             f"[bold]{rec.name}[/] — {render.styled(st)}   attempt {rec.attempt} · {rec.restarts} restart(s), "
             f"{rec.max_restarts} allowed per run",
