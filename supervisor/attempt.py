@@ -247,8 +247,11 @@ class Attempt:
                                run_dir=self.cfg.run_dir, unheard=unheard, local_stderr=local_stderr_paths(self.spec),
                                launcher=handle.pid if not heartbeats and not unheard else None)
         dumped = [r["rank"] for r in doc["ranks"] if r.get("stack_dump")]
-        unheard_n = len(doc.get("workers_without_heartbeat", []))
-        also = f"; the state of {unheard_n} worker(s) that never beat" if unheard_n else ""
+        unheard = doc.get("workers_without_heartbeat", [])
+        theirs = [f"rank {w['rank']}" if w.get("rank") is not None else f"local rank {w.get('local_rank', '?')}"
+                  for w in unheard if w.get("stack_dump")]
+        also = (f"; the state of {len(unheard)} worker(s) that never beat"
+                + (f", stack dumps from {', '.join(theirs)}" if theirs else "")) if unheard else ""
         self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'}{also})")
         return out
 
@@ -400,10 +403,10 @@ def disk_note(root: Path) -> str:
         usage = shutil.disk_usage(root)
     except OSError:
         return ""
-    newest = max((i.size_bytes for i in store.scan(root) if i.valid), default=0) if root.is_dir() else 0
-    if usage.free < max(newest, 0.02 * usage.total):
-        return (f"; the checkpoint filesystem has {usage.free / 1e6:.1f} MB free of {usage.total / 1e6:.1f} MB "
-                "(free space there, or lower checkpoint.keep)")
+    valid = [i.size_bytes for i in store.scan(root) if i.valid] if root.is_dir() else []
+    if usage.free < max(max(valid, default=0), 0.02 * usage.total):
+        fix = "free space there, or lower checkpoint.keep" if len(valid) > 1 else "free space there"
+        return f"; the checkpoint filesystem has {usage.free / 1e6:.1f} MB free of {usage.total / 1e6:.1f} MB ({fix})"
     return ""
 
 

@@ -234,6 +234,7 @@ def test_a_worker_stuck_before_its_first_heartbeat_is_in_the_hang_evidence(tmp_p
     evidence = json.loads((Path(first["log_dir"]) / "hang_evidence.json").read_text())
     [stuck] = evidence["workers_without_heartbeat"]
     assert stuck["rank"] == 1 and "train.py" in stuck["cmdline"], stuck
+    assert ("stack dumps from rank 1" in console) == bool(stuck.get("stack_dump")), console  # it said none
     # A prewarmed rank's worker is its proxy; the facts are the rank's own: asleep in its script, not in the proxy's
     # socket read.
     assert stuck["status"] == "sleeping" and stuck["wchan"] in ("hrtimer_nanosleep", "do_nanosleep", None), stuck

@@ -590,7 +590,8 @@ def test_status_says_when_the_recorded_checkpoint_is_no_longer_valid_on_disk(tmp
     assert "last_checkpoint_problem" not in json.loads(cli("status", tmp_path, "--json").stdout)
     truncate(tmp_path / "checkpoints" / store.step_dirname(60) / "__1_0.distcp")
     doc = json.loads(cli("status", tmp_path, "--json").stdout)
-    assert doc["last_checkpoint_step"] == 60 and doc["last_checkpoint_problem"].startswith("corrupt: __1_0.distcp is 4087 bytes")
+    problem = doc["last_checkpoint_problem"]
+    assert doc["last_checkpoint_step"] == 60 and problem.startswith("corrupt: __1_0.distcp is 4087 bytes"), problem
     assert doc["last_checkpoint_problem"].endswith("; newest valid: 40")
     shutil.rmtree(tmp_path / "checkpoints" / store.step_dirname(60))
     text = " ".join(cli("status", tmp_path).stdout.split())

@@ -1006,3 +1006,18 @@ def test_a_rank_that_outlives_the_stops_grace_gets_no_second_grace(tmp_path):
     outcome = attempt.run()
     assert outcome.reason == api.STOPPED and time.monotonic() - started < 6 + 1
     assert handle.graces == [0.0] or handle.graces[0] < 0.5, handle.graces
+
+
+def test_a_full_disk_note_advises_a_lower_keep_only_where_there_is_more_than_one_checkpoint(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from supervisor import attempt
+    from tests.ckpt_helpers import write_checkpoint
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _root: usage(30_000_000, 29_999_000, 1000))
+    write_checkpoint(tmp_path, 10)
+    assert attempt.disk_note(tmp_path).endswith("(free space there)")  # keep cannot go below the one there is
+    write_checkpoint(tmp_path, 20)
+    assert attempt.disk_note(tmp_path).endswith("(free space there, or lower checkpoint.keep)")
