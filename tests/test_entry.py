@@ -236,6 +236,8 @@ def test_final_checkpoint_exports_to_a_single_torch_file(tmp_path):
     other = tmp_path / "checkpoints" / "step_000000005.partial"
     other.mkdir()
     for args, words in (([tmp_path / "checkpoints", tmp_path / "m.pt"], f"e.g. {final.path}"),
+                        ([tmp_path, tmp_path / "m.pt"], f"e.g. {final.path}"),  # a run dir: its checkpoints' newest
+                        ([tmp_path / "nope", tmp_path / "m.pt"], "nope: does not exist"),
                         ([final.path, tmp_path / "nowhere" / "m.pt"], "does not exist"),
                         ([final.path, tmp_path], f"is a folder; name the file to write, e.g. {tmp_path}/model.pt"),
                         ([final.path, final.path], f"inside the checkpoint {final.path}"),  # not "e.g. it/model.pt"

@@ -42,10 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a step_<N> folder")
     p.add_argument("out", help="the .pt file to write")
     args = p.parse_args(argv)
+    if not os.path.exists(args.checkpoint):
+        print(f"{args.checkpoint}: does not exist; give one checkpoint's folder, e.g. "
+              "runs/NAME/checkpoints/step_000000300.", file=sys.stderr)
+        return 2
     try:
         info = store.inspect(args.checkpoint, deep=True)
     except ValueError as e:  # a checkpoint root, a run dir: not one step's folder
-        newest = store.latest_valid(args.checkpoint) if os.path.isdir(args.checkpoint) else None
+        newest = next((found for root in (args.checkpoint, os.path.join(args.checkpoint, "checkpoints"))
+                       if os.path.isdir(root) and (found := store.latest_valid(root)) is not None), None)
         hint = f", e.g. {newest.path}" if newest is not None else ""
         print(f"{args.checkpoint}: {e}; give one checkpoint's folder{hint}.", file=sys.stderr)
         return 2
