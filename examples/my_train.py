@@ -37,11 +37,11 @@ def main() -> int:
     state = TrainState(model, optimizer)  # ◀ what a checkpoint holds (plus RNG and position)
 
     step = session.resume(state)  # ◀ the handed-over checkpoint (resharded if the world changed), or 0
-    per_rank = args.batch // session.world_size
     while step < args.steps:
-        # Data as a pure function of the global position: resume and resharding repeat and skip nothing.
+        # Data as a pure function of the global position: resume and resharding repeat and skip nothing. Every
+        # sample of the global batch goes to one rank, on any world size (3 ranks: 22, 21 and 21 of 64).
         g = torch.Generator().manual_seed(1000 + step)
-        x = torch.rand(args.batch, 1, generator=g)[session.rank * per_rank:(session.rank + 1) * per_rank] * 6 - 3
+        x = torch.rand(args.batch, 1, generator=g).tensor_split(session.world_size)[session.rank] * 6 - 3
         loss = nn.functional.mse_loss(model(x), torch.sin(x))
         loss.backward()
         optimizer.step()
