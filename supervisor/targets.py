@@ -72,7 +72,7 @@ def _run_dir_of_root(root: Path) -> Path | None:
 
 def _holds_checkpoints(path: Path) -> bool:
     try:
-        return bool(store.checkpoint_dirs(path) or store.trash_dirs(path))
+        return bool(store.checkpoint_dirs(path, quarantined=True) or store.trash_dirs(path))
     except (FileNotFoundError, NotADirectoryError):
         return False  # a folder that cannot be read says so (the CLI names it), not "nothing here"
 
@@ -93,7 +93,7 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
                              f"`resilient run {given}`.")
         return Target(given, job.run_dir, job.checkpoint.dir)
     name = path.name
-    if store.STEP_RE.match(name) or store.PARTIAL_RE.match(name):
+    if store.STEP_RE.match(name) or store.PARTIAL_RE.match(name) or store.QUARANTINE_RE.match(name):
         if not allow_checkpoint:
             raise UsageError(f"{given} is one checkpoint; pass its checkpoint root ({path.parent}).")
         step = int(name[5:14])

@@ -596,3 +596,13 @@ def test_status_says_when_the_recorded_checkpoint_is_no_longer_valid_on_disk(tmp
     shutil.rmtree(tmp_path / "checkpoints" / store.step_dirname(60))
     text = " ".join(cli("status", tmp_path).stdout.split())
     assert "last valid checkpoint 60 (not valid on disk now: gone; newest valid: 40)" in text, text
+
+
+def test_a_quarantined_folder_or_a_root_of_only_quarantined_ones_can_be_inspected(tmp_path, cli):
+    """Both were 'no run and no checkpoints here', exit 2."""
+    aside = store.quarantine(write_checkpoint(tmp_path, 30), "a reviewer's test")
+    r = cli("inspect-checkpoint", aside, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 1 and [c["step"] for c in doc["checkpoints"]] == [30], r.output  # set aside: not resumed
+    r = cli("inspect-checkpoint", tmp_path, "--json")
+    assert r.exit_code == 1 and "quarantined" in json.loads(r.stdout)["checkpoints"][0]["reason"], r.output
