@@ -233,6 +233,11 @@ def test_logs_streams_a_big_log_a_chunk_at_a_time(tmp_path, monkeypatch):
         f.write(b" epsilon\n")
     assert "".join(tail.read(final=True)) == "[r0] delta epsilon\n"
     assert list(tail.read(final=True)) == []
+    log.write_bytes(b"new\n")  # truncated under --follow (a rotated log): it went silent for good
+    assert "".join(tail.read()) == "[r0] new\n"
+    (tmp_path / "next.log").write_bytes(b"replaced, and longer than what was read before\n")
+    os.replace(tmp_path / "next.log", log)  # another file under the name (both existed: another inode)
+    assert "".join(tail.read()) == "[r0] replaced, and longer than what was read before\n"
 
 
 def test_logs_of_a_big_file_holds_a_chunk_not_the_file(tmp_path):

@@ -34,6 +34,7 @@ class Tail:
     offset: int = 0
     pending: bytes = b""  # the start of an unfinished line: under CHUNK bytes
     mid_line: bool = False  # part of the current line was printed already, with its prefix
+    identity: tuple[int, int] | None = None  # the file read so far (device, inode)
 
     def read(self, final: bool = False) -> Iterator[str]:
         try:
@@ -42,6 +43,10 @@ class Tail:
             f = None
         if f is not None:
             with f:
+                st = os.fstat(f.fileno())
+                if (st.st_dev, st.st_ino) != (self.identity or (st.st_dev, st.st_ino)) or st.st_size < self.offset:
+                    self.offset = 0  # replaced or truncated under --follow: read the new one from its start
+                self.identity = (st.st_dev, st.st_ino)
                 f.seek(self.offset)
                 while data := f.read(CHUNK):
                     self.offset += len(data)
