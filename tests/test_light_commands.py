@@ -606,3 +606,16 @@ def test_a_quarantined_folder_or_a_root_of_only_quarantined_ones_can_be_inspecte
     assert r.exit_code == 1 and [c["step"] for c in doc["checkpoints"]] == [30], r.output  # set aside: not resumed
     r = cli("inspect-checkpoint", tmp_path, "--json")
     assert r.exit_code == 1 and "quarantined" in json.loads(r.stdout)["checkpoints"][0]["reason"], r.output
+
+
+def test_logs_into_a_reader_that_leaves_exits_0(tmp_path):
+    """`resilient logs RUN | head -1` said "cannot be read (Broken pipe)" and exited 1."""
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=10)
+    rank_dir = tmp_path / "logs" / "attempt_1" / "rank_0"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "stdout.log").write_text("step line\n" * 200_000)  # more than a pipe holds
+    (rank_dir / "stderr.log").write_text("")
+    cli_path = Path(sys.executable).with_name("resilient")
+    out = subprocess.run(f"'{cli_path}' logs '{tmp_path}' | head -1; exit ${{PIPESTATUS[0]}}",
+                         shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "[rank 0 out] step line\n" and out.stderr == "", out

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor import layout, ranklogs, render, state, targets
+from supervisor.console import go_quiet
 from supervisor.errors import ExitCode, UsageError
 from supervisor.fsutil import open_regular
 from supervisor.protocol import pid_alive, read_heartbeats
@@ -179,6 +180,14 @@ def _no_rank(run_dir: Path, nodes: list[NodeLogs], rank: int) -> UsageError:
 
 def main(target: str | None, rank: int | None, attempt: int | None, follow: bool, *,
          poll_s: float = POLL_S) -> int:
+    try:
+        return _logs(target, rank, attempt, follow, poll_s)
+    except BrokenPipeError:  # `| head -1`: the reader has what it wanted (it said "cannot be read", exit 1)
+        go_quiet(render.out)
+        return ExitCode.OK
+
+
+def _logs(target: str | None, rank: int | None, attempt: int | None, follow: bool, poll_s: float) -> int:
     t = targets.resolve(target)
     files = targets.state_files(t)
     run_dir = t.run_dir
