@@ -6,6 +6,7 @@ import contextlib
 import errno
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 
@@ -25,6 +26,7 @@ class EventConsole:
     def __init__(self, name: str, console: Console | None = None):
         self.name = name
         self.console = console or _Console(stderr=True, highlight=False, soft_wrap=True)
+        self._lock = threading.Lock()  # one line's parts together: the replicator's thread speaks too
 
     def event(self, text: str, style: str | None = None) -> None:
         stamp = time.strftime("%H:%M:%S")
@@ -50,8 +52,9 @@ class EventConsole:
         if self.console.quiet:  # nobody reads us any more: the stream leads to /dev/null
             return
         try:
-            for text, style, markup, end in parts:
-                self.console.print(text, style=style, markup=markup, end=end)
+            with self._lock:
+                for text, style, markup, end in parts:
+                    self.console.print(text, style=style, markup=markup, end=end)
         except (OSError, ValueError) as e:  # ValueError: a closed file
             if isinstance(e, OSError) and e.errno not in (errno.EPIPE, errno.EIO):
                 return  # this line is lost (a full disk); the next may be written again

@@ -148,6 +148,8 @@ stateful = {"holder": PerRank(Holder())} if mode == "unpicklable" else {}
 state = TrainState(model, opt, extra=extra, stateful=stateful)
 if mode == "save_before_resume":
     session.save(0, state)
+if mode == "bare_before_resume":
+    state.stateful["late"] = Late()  # not declared Replicated, Sharded or PerRank
 step = session.resume(state)
 if mode == "added_after_resume":
     state.stateful["late"] = PerRank(Late())
@@ -170,6 +172,7 @@ sys.exit(session.finish(step, state))
     ("unpicklable", "stateful 'holder' (Holder, PerRank): its state_dict() cannot be saved"),
     ("own_pg", "the default process group was already initialized"),
     ("added_after_resume", "state.stateful changed after session.resume(state)"),
+    ("bare_before_resume", "stateful['late'] is a bare Late: declare how its state is spread over the ranks"),
 ])
 def test_a_misuse_of_the_library_ends_every_rank_with_exit_78_and_one_sentence(tmp_path, mode, says):
     """Each of these was a traceback and exit 1 (retried, as a passing fault would be), a hang, or a silent change

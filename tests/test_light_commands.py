@@ -596,6 +596,9 @@ def test_status_says_when_the_recorded_checkpoint_is_no_longer_valid_on_disk(tmp
     shutil.rmtree(tmp_path / "checkpoints" / store.step_dirname(60))
     text = " ".join(cli("status", tmp_path).stdout.split())
     assert "last valid checkpoint 60 (not valid on disk now: gone; newest valid: 40)" in text, text
+    shutil.rmtree(tmp_path / "checkpoints")  # an unmounted root: not "gone; newest valid: none"
+    problem = json.loads(cli("status", tmp_path, "--json").stdout)["last_checkpoint_problem"]
+    assert problem.endswith("cannot be seen from here (not mounted, or gone)"), problem
 
 
 def test_a_quarantined_folder_or_a_root_of_only_quarantined_ones_can_be_inspected(tmp_path, cli):
@@ -619,3 +622,14 @@ def test_logs_into_a_reader_that_leaves_exits_0(tmp_path):
     out = subprocess.run(f"'{cli_path}' logs '{tmp_path}' | head -1; exit ${{PIPESTATUS[0]}}",
                          shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout == "[rank 0 out] step line\n" and out.stderr == "", out
+
+
+def test_inspect_of_a_quarantined_folder_reports_that_folder_not_its_steps_new_twin(tmp_path, cli):
+    """A NaN's rollback or a re-save leaves step_100.quarantined beside a new step_100: naming the quarantined one
+    reported the new one, exit 0."""
+    aside = store.quarantine(write_checkpoint(tmp_path, 100), "a reviewer's test")
+    write_checkpoint(tmp_path, 100)
+    r = cli("inspect-checkpoint", aside, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 1 and doc["selected_step"] == 100, r.output
+    assert cli("inspect-checkpoint", tmp_path / store.step_dirname(100)).exit_code == 0

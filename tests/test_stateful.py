@@ -279,9 +279,34 @@ def test_a_replicated_set_packs_to_the_same_bytes_whatever_the_processs_string_h
     import sys
 
     code = ("import hashlib, sys; from train_entry.stateful import pack, unpack; "
-            "s = {'files': {f'shard-{i:05d}.tar' for i in range(40)}, 'seen': [frozenset({'a', 'b', 'c'})]}; "
+            "s = {'files': {f'shard-{i:05d}.tar' for i in range(40)}, 'seen': [frozenset({'a', 'b', 'c'})], "
+            "'nested': {frozenset({'a0', 'b0', 'c0'}), frozenset({'x', 'y'}), ('t', frozenset({'p', 'q'}))}}; "
             "b = pack(s); u = unpack(b); assert u == s and type(u['files']) is set, u; "
             "print(hashlib.sha256(b).hexdigest())")
     digests = {subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "PYTHONHASHSEED": seed},
                               capture_output=True, text=True, check=True, timeout=120).stdout for seed in "123"}
     assert len(digests) == 1, digests
+
+
+def test_schedulers_saved_in_another_layout_or_with_no_state_are_named_not_taken_for_damage():
+    """One scheduler saved, a list resumed (or the reverse, or lists of other lengths): DCP failed on a missing key
+    and the run took its checkpoints for damaged ones. `scheduler=[]` saved nothing, then refused every resume."""
+    from train_entry.state import TrainState
+
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+
+    def sched():
+        return torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+
+    one = {"train", "scheduler.last_epoch", "scheduler.base_lrs"}
+    two = {"train", "scheduler.0.last_epoch", "scheduler.1.last_epoch"}
+    for run, keys, says in (([sched()], one, "holds one scheduler and this run has a list of 1"),
+                            (sched(), two, "holds a list of 2 schedulers and this run has one scheduler"),
+                            ([sched(), sched(), sched()], two, "holds a list of 2 schedulers and this run has a "
+                                                               "list of 3"),
+                            ([sched()], two, "holds a list of 2 schedulers and this run has a list of 1")):
+        with pytest.raises(StatefulError, match=re.escape(says)):
+            TrainState(m, opt, run).template(0, keys, world_size=1)
+    assert "scheduler" not in TrainState(m, opt, []).state_dict(0, torch.device("cpu"))
+    assert "scheduler" not in TrainState(m, opt, []).template(0, {"train"}, world_size=1)

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import numbers
 import os
 import socket
 import sys
@@ -120,13 +121,15 @@ class Session:
             print(f"resilient: {' and '.join(missing)} not set: start this script with torchrun "
                   "(`torchrun --nproc-per-node N SCRIPT`) or with `resilient run JOB.yaml`.", file=sys.stderr)
             sys.exit(EXIT_CONFIG)
-        if ckpt_interval is not None and (isinstance(ckpt_interval, bool) or not isinstance(ckpt_interval, int)
-                                          or ckpt_interval < 1):
-            print(f"resilient: Session.start(ckpt_interval={ckpt_interval!r}): give a whole number of steps, 1 or "
-                  f"more, or None for {DEFAULT_INTERVAL} (under `resilient run`, the job's checkpoint.interval_steps "
-                  "wins, `auto` included).", file=sys.stderr)
-            sys.exit(EXIT_CONFIG)
         h = Handover.from_env()
+        if not h.supervised and ckpt_interval is not None:  # under `resilient run` the job's interval wins
+            whole = not isinstance(ckpt_interval, bool) and isinstance(ckpt_interval, (numbers.Integral, float)) \
+                and float(ckpt_interval).is_integer() and ckpt_interval >= 1
+            if not whole:
+                print(f"resilient: Session.start(ckpt_interval={ckpt_interval!r}): give a whole number of steps, 1 "
+                      f"or more, or None for {DEFAULT_INTERVAL}.", file=sys.stderr)
+                sys.exit(EXIT_CONFIG)
+            ckpt_interval = int(ckpt_interval)
         rank = int(os.environ.get("RANK", 0))
         _setup_logging(rank)
         stop = signals.StopRequest()
@@ -292,7 +295,10 @@ class Session:
         the object or its declaration, and every checkpoint of the run would fail the same way.
         """
         self.ckpt.wait()  # a save in flight gathers on the checkpoint group too
-        state.settle()  # the stateful objects declared now are the ones resumed
+        try:
+            state.settle()  # the stateful objects declared now are the ones resumed
+        except (StatefulError, TypeError, ValueError) as e:  # one declared since TrainState(...): checked now
+            self._exit_config("resume", -1, str(e), everyone_failed=True)
         self.beater.set_phase("load", now=True)
         t_resume = time.monotonic()
         step, tier, why = self._choose_resume_step()
@@ -462,7 +468,8 @@ class Session:
             # Once, at an agreement (every rank at this step: the state dict may be collective), with the
             # optimizer's state in place: the staging arena is allocated in the background from here.
             state, self._state = self._state, None
-            self.ckpt.prepare(lambda: state.state_dict(self.rank, self.device))
+            with contextlib.suppress(StatefulError):  # the next save says it, with exit 78, on every rank
+                self.ckpt.prepare(lambda: state.state_dict(self.rank, self.device))
         self.beater.progress(step, own_s)
         return self._mean
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from train_entry.stateful import Declared, StatefulError, StatefulSet
+from train_entry.stateful import Declared, StatefulError, StatefulSet, leaves
 
 log = logging.getLogger("train_entry")
 
@@ -119,6 +119,26 @@ class TrainState:
             return {str(i): sched.state_dict() for i, sched in enumerate(self.scheduler)}
         return self.scheduler.state_dict()
 
+    def _scheduler_template(self, keys: set[str]) -> Any:
+        """The schedulers' entries to load, once the checkpoint holds the same layout: one scheduler, or a list
+        of as many. Otherwise a StatefulError (DCP would fail on a missing key, as if the files were damaged)."""
+        want = self._scheduler_state()
+        saved = {k.split(".")[1] for k in keys if k.startswith("scheduler.")}
+        if not saved:
+            if any(True for _ in leaves(want)):
+                raise StatefulError("the LR scheduler is not in this checkpoint (added since it was written?): "
+                                    "resuming would restart its schedule from the beginning; remove it, or start "
+                                    "a new run")
+            return want
+        listed = sorted(int(x) for x in saved if x.isdigit()) if all(x.isdigit() for x in saved) else None
+        several = isinstance(self.scheduler, (list, tuple))
+        if listed != (list(range(len(self._schedulers()))) if several else None):
+            held = f"a list of {len(listed)} schedulers" if listed is not None else "one scheduler"
+            has = f"a list of {len(self._schedulers())}" if several else "one scheduler"
+            raise StatefulError(f"the checkpoint holds {held} and this run has {has}: pass them as they were "
+                                "saved, or start a new run")
+        return want
+
     def _objects(self) -> StatefulSet:
         """The declared objects as `stateful` holds them now. A change after the resume is a StatefulError: the
         object was not restored, and saving it from here on would hide that it restarted."""
@@ -163,7 +183,7 @@ class TrainState:
             "train": json.dumps(self.position()),
             rng_key(rank): rng_state(device),
         }
-        if self.scheduler is not None:
+        if self._schedulers():
             sd["scheduler"] = self._scheduler_state()
         sd.update(self._objects().state_dict(rank))
         return sd
@@ -189,12 +209,8 @@ class TrainState:
         sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "train": ""}
         if rng_key(rank) in keys:
             sd[rng_key(rank)] = b""
-        if self.scheduler is not None:
-            if not any(k.startswith("scheduler.") for k in keys):
-                raise StatefulError("the LR scheduler is not in this checkpoint (added since it was written?): "
-                                    "resuming would restart its schedule from the beginning; remove it, or start "
-                                    "a new run")
-            sd["scheduler"] = self._scheduler_state()
+        if self._schedulers():
+            sd["scheduler"] = self._scheduler_template(keys)
         sd.update(self._objects().template(rank, world_size, keys))
         return sd
 
@@ -207,10 +223,10 @@ class TrainState:
         """Restore everything from a loaded `template`. Returns a note per stateful object restored; raises
         StatefulError naming an object whose own load_state_dict (or reshard hook) failed."""
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        if isinstance(self.scheduler, (list, tuple)):
+        if "scheduler" in sd and isinstance(self.scheduler, (list, tuple)):
             for i, sched in enumerate(self.scheduler):
                 sched.load_state_dict(sd["scheduler"][str(i)])
-        elif self.scheduler is not None:
+        elif "scheduler" in sd:
             self.scheduler.load_state_dict(sd["scheduler"])
         pos = json.loads(sd["train"])
         self.step, self.samples_seen, self.tokens_seen = pos["step"], pos["samples_seen"], pos["tokens_seen"]

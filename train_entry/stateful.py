@@ -106,21 +106,30 @@ class _SortedSet(set):
     to differ between them. It unpickles as a plain set."""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return set, (sorted(self, key=repr),)
+        return set, (sorted(self, key=_order),)
 
 
 class _SortedFrozenSet(frozenset):
     def __reduce__(self) -> tuple[Any, ...]:
-        return frozenset, (sorted(self, key=repr),)
+        return frozenset, (sorted(self, key=_order),)
+
+
+def _order(item: Any) -> str:
+    """A sort key that does not depend on string hashes: a frozenset inside a set is keyed by its sorted items."""
+    if isinstance(item, frozenset):
+        return "frozenset(" + ",".join(sorted(map(_order, item))) + ")"
+    if isinstance(item, tuple):
+        return "(" + ",".join(map(_order, item)) + ")"
+    return repr(item)
 
 
 def _on_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu() if obj.device.type != "cpu" else obj
     if type(obj) is set:
-        return _SortedSet(obj)
+        return _SortedSet(_on_cpu(v) for v in obj)
     if type(obj) is frozenset:
-        return _SortedFrozenSet(obj)
+        return _SortedFrozenSet(_on_cpu(v) for v in obj)
     if isinstance(obj, dict):
         out = copy.copy(obj)  # the dict's own type: an OrderedDict, a defaultdict
         for k, v in obj.items():
@@ -140,12 +149,12 @@ def unpack(blob: bytes) -> Any:
     return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
 
 
-def _leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     """(dotted path, leaf) of nested dicts, as DCP flattens them (lists are leaves here: a saved key under a
     list is matched by prefix)."""
     if isinstance(obj, Mapping):
         for k, v in obj.items():
-            yield from _leaves(v, f"{path}.{k}" if path else str(k))
+            yield from leaves(v, f"{path}.{k}" if path else str(k))
     else:
         yield path, obj
 
@@ -315,7 +324,7 @@ class StatefulSet:
         template = decl.obj.state_dict()
         prefix = f"sharded.{name}."
         saved = {k[len(prefix):] for k in keys if k.startswith(prefix)}
-        paths = {p for p, _ in _leaves(template)}
+        paths = {p for p, _ in leaves(template)}
         lost = sorted(k for k in saved if not _covered(k, paths))
         missing = sorted(p for p in paths if not any(k == p or k.startswith(p + ".") for k in saved))
         if lost or missing:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,9 @@ def collect(target: str | None, step: int | None, verify: bool) -> InspectResult
     root = t.existing_root()
     dirs = store.checkpoint_dirs(root, quarantined=True) if root is not None else []
     chosen = [d for d in dirs if int(d.name[5:14]) == step] if step is not None else dirs
+    if t.step is not None:  # one folder named: that one, not another folder of its step (a quarantined one's twin)
+        named = Path(os.path.abspath(os.path.expanduser(t.given)))
+        chosen = [d for d in chosen if d == named] or chosen
     if step is not None and not chosen:
         # The contract's exit 1: the selected checkpoint is not valid (here: not there at all).
         raise ResilientError(f"{t.checkpoint_root}: no checkpoint for step {step}; `resilient inspect-checkpoint "
@@ -176,7 +180,8 @@ def collect(target: str | None, step: int | None, verify: bool) -> InspectResult
     if step is not None:
         mine = [i for i in infos if i.step == step]
         committed = [i for i in mine if not i.partial and not i.quarantined]
-        selected = (committed or mine)[-1]
+        selected = next((i for i in mine if i.path in chosen), None) if len(chosen) == 1 else None
+        selected = selected or (committed or mine)[-1]
     local = [(node, lroot, [store.inspect(d, deep=verify and (step is None or int(d.name[5:14]) == step))
                             for d in store.checkpoint_dirs(lroot, quarantined=True)])
              for node, lroot in targets.local_tiers(t)]

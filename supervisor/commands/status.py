@@ -127,11 +127,13 @@ class StatusResult:
         if rec.last_checkpoint_step is None or rec.replication:
             return None
         root = layout.resolved(rec.checkpoint_dir, self.run_dir, what=f"{self.run_dir}'s state file (checkpoint_dir)")
+        if not root.is_dir():
+            return f"its root {root} cannot be seen from here (not mounted, or gone)"
         path = root / store.step_dirname(rec.last_checkpoint_step)
         info = store.inspect(path) if path.is_dir() else None
         if info is not None and info.valid:
             return None
-        newest = store.latest_valid(root) if root.is_dir() else None
+        newest = store.latest_valid(root)
         return (f"{info.status.value}: {info.reason}" if info is not None else "gone") + \
             f"; newest valid: {newest.step if newest is not None else 'none'}"
 
