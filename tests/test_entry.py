@@ -216,11 +216,13 @@ def test_nan_loss_exits_nan_and_never_saves_that_step(tmp_path):
     assert store.latest_valid(tmp_path / "checkpoints").step == 10
 
 
-def test_final_checkpoint_exports_to_a_single_torch_file(tmp_path):
+def test_final_checkpoint_exports_to_a_single_torch_file(tmp_path, capsys):
     import subprocess
     import sys
 
     import torch
+
+    from train_entry import export
 
     run_to_end(tmp_path, 2, ["--steps", "12", "--ckpt-interval", "100"], "run")
     final = store.latest_valid(tmp_path / "checkpoints")
@@ -232,7 +234,8 @@ def test_final_checkpoint_exports_to_a_single_torch_file(tmp_path):
     assert sd["model"]["tok_emb.weight"].shape == (256, 64)  # whole: both ranks' shards of dim 0
     assert json.loads(sd["train"])["step"] == 12
     # The easy slips (the root for a step, a folder that is not there, a file inside this or another checkpoint,
-    # which an unlisted file makes corrupt) are one sentence each, not a traceback.
+    # which an unlisted file makes corrupt) are one sentence each, not a traceback (in this process: each is
+    # found before anything is loaded, and a process each cost two seconds of importing torch).
     other = tmp_path / "checkpoints" / "step_000000005.partial"
     other.mkdir()
     for args, words in (([tmp_path / "checkpoints", tmp_path / "m.pt"], f"e.g. {final.path}"),
@@ -243,9 +246,9 @@ def test_final_checkpoint_exports_to_a_single_torch_file(tmp_path):
                         ([final.path, final.path], f"inside the checkpoint {final.path}"),  # not "e.g. it/model.pt"
                         ([final.path, final.path / "model.pt"], f"inside the checkpoint {final.path}"),
                         ([final.path, other / "model.pt"], f"inside the checkpoint {other}")):
-        out = subprocess.run([sys.executable, "-m", "train_entry.export", *map(str, args)], capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
+        code = export.main([str(a) for a in args])
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
     assert store.inspect(final.path, deep=True).valid and list(other.iterdir()) == []  # nothing was written there
 
 
