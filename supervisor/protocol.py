@@ -159,6 +159,7 @@ class Heartbeat:
     own_steps_per_s: float | None = None  # steps/s counting only time not spent waiting at the step-end sync
     slowest_step_s: float | None = None  # the longest of this rank's last 100 steps (not its first), by its clock
     saving_step: int | None = None  # an async save in flight
+    in_sync: bool = False  # waiting for the other ranks in the step-end agreement (not the one they wait for)
     last_save: dict[str, Any] | None = None
     log_dir: str | None = None
     restart_count: int = 0

@@ -47,6 +47,7 @@ class Hang:
     step: int | None
     phase: str | None
     never_stepped: bool = False  # in `train` since its resume without reporting one step
+    waiting: bool = False  # in the step-end agreement, waiting for the others
 
     def describe(self) -> str:
         who = f"rank {self.rank}" if self.rank is not None else "no rank"
@@ -56,7 +57,8 @@ class Hang:
             return (f"{who} reported no step in {self.for_s:.0f}s since it resumed at step {self.step} (a script of "
                     "your own must call session.beat(step, loss) every step)")
         if self.kind == NO_PROGRESS:
-            return f"{who} made no progress for {self.for_s:.0f}s at step {self.step}"
+            waits = " (waiting for the others at the step-end agreement)" if self.waiting else ""
+            return f"{who} made no progress for {self.for_s:.0f}s at step {self.step}{waits}"
         if self.kind == STARTUP:
             return f"{who} still in {self.phase} after {self.for_s:.0f}s"
         if self.rank is not None:
@@ -126,13 +128,14 @@ class RankWatch:
                     found.append(Hang(rank, SILENT, silent, s.hb.step, phase))
                 else:
                     found.append(Hang(rank, NO_PROGRESS, now - s.step_at, s.hb.step, phase,
-                                      never_stepped=s.hb.first_step_at is None))
+                                      never_stepped=s.hb.first_step_at is None, waiting=s.hb.in_sync))
         if self.expected_ranks and since_launch > self.startup_timeout_s:
             for rank in range(self.expected_ranks):
                 if rank not in self.seen:
                     found.append(Hang(rank, NO_HEARTBEAT, since_launch, None, None))
         order = {SILENT: 0, NO_HEARTBEAT: 1, STARTUP: 2, NO_PROGRESS: 3}  # one never heard of: what the others wait for
-        return sorted(found, key=lambda h: (order[h.kind], -h.for_s))
+        # Among ranks without progress, one waiting for the others at the step-end agreement is not the one held up.
+        return sorted(found, key=lambda h: (order[h.kind], h.waiting, -h.for_s))
 
     def ages(self, now: float) -> dict[int, float]:
         """Seconds since we last saw each rank beat."""

@@ -253,6 +253,18 @@ def test_hang_rules_with_injected_time():
     assert [h.kind for h in w3.hangs(31)] == [STARTUP]
 
 
+def test_of_two_ranks_without_progress_the_one_not_waiting_at_the_step_end_agreement_is_named():
+    """Rank 0 waits in the step-end all-reduce, rank 1 is held up in its own code; both beat. Rank 0 was named
+    (the tie fell to rank order), and the stop message sent the user to the wrong rank's log."""
+    w = RankWatch(launched_at=0.0, timeout_s=10, startup_timeout_s=100)
+    for t in range(1, 20):
+        w.observe({0: hb(0, phase="train", seq=t, step=1, in_sync=t > 2), 1: hb(1, phase="train", seq=t, step=1)},
+                  now=t)
+    hangs = w.hangs(19.5)
+    assert [(h.rank, h.kind) for h in hangs] == [(1, NO_PROGRESS), (0, NO_PROGRESS)]
+    assert hangs[1].describe().endswith("(waiting for the others at the step-end agreement)")
+
+
 def test_a_rank_that_never_beats_is_named_before_the_ones_that_wait_for_it():
     """Rank 1 hangs before its first heartbeat; rank 0 waits for it in the rendezvous, in `startup`. The supervisor
     (which now tells the watch how many ranks one node runs) names rank 1, not rank 0."""

@@ -441,7 +441,9 @@ class Session:
         step_s = (now - self._window_start) / self._window_steps
         t = torch.tensor([self._window_loss, self._window_weight, 1.0 if self.stop else 0.0, want_interval,
                           step_s], dtype=torch.float64, device=self.device)
+        self.beater.update(in_sync=True)  # a hang here is another rank's: the supervisor blames that one
         dist.all_reduce(t)
+        self.beater.update(in_sync=False)
         done = time.monotonic()
         # Time not spent waiting for the others at this sync, per step: the rank everyone waits for has most.
         own_s = None if self._last_beat is None else ((now - self._last_beat) / self._window_steps)
