@@ -68,6 +68,15 @@ def _guard(as_json: bool, fn: Callable[[], int], *, reads_files: bool = False) -
 def _unreadable(e: OSError) -> ResilientError:
     where = e.filename if e.filename is not None else "a file it needed"
     reason = e.strerror or e.__class__.__name__
+    if isinstance(e, PermissionError) and e.filename is not None:
+        # The folder that shuts this user out, not a file inside it that may not even exist (`u/job.json` of a
+        # checkpoint root of mode 000).
+        folder = os.path.dirname(os.path.abspath(e.filename))
+        while not os.access(folder, os.X_OK) and os.path.dirname(folder) != folder \
+                and not os.access(os.path.dirname(folder), os.X_OK):
+            folder = os.path.dirname(folder)
+        if not os.access(folder, os.X_OK):
+            where = folder
     if isinstance(e, PermissionError):
         return UsageError(f"{where}: cannot be read ({reason}); give this user access to it (or run as its "
                           "owner) and run the command again.")

@@ -79,6 +79,11 @@ def test_a_checkpoint_root_that_cannot_be_read_is_one_sentence(shared_dir):
         assert r.returncode == 2, (cmd, r.stdout, r.stderr)
         assert "Traceback" not in r.stderr and "cannot be read (Permission denied)" in r.stderr, r.stderr
     assert (root / store.step_dirname(1) / store.MARKER).is_file()
+    root.chmod(0o000)  # not even enterable: the folder is named, not a job.json inside it that is not there
+    r = _unprivileged("inspect-checkpoint", root)
+    assert r.returncode == 2 and r.stderr.startswith(f"resilient: {root}: cannot be read (Permission denied)"), \
+        r.stderr
+    root.chmod(0o755)
 
 
 def test_a_marker_whose_checksum_package_is_missing_is_unreadable_and_kept(tmp_path, cli, monkeypatch):
