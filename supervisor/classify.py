@@ -169,7 +169,9 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
     evidence = "\n".join((message, root.traceback, log_text))
     where = f"rank {rank}"
     if code == EXIT_PREEMPTED:
-        return AttemptOutcome(api.PREEMPTED, f"{where} was preempted (SIGTERM) and exited with code {code}",
+        # A stop reached the group: a SIGTERM to this node's ranks, or to another node's, whose ranks told the rest.
+        return AttemptOutcome(api.PREEMPTED, f"{where} stopped with a checkpoint and exited with code {code}: a "
+                              "stop reached the group (a SIGTERM, to this node or another)",
                               rank, code, step)
     if code == EXIT_NAN:  # the rank names the step whose loss it was; an older one said only "nan"
         hb = heartbeats.get(rank)

@@ -148,6 +148,9 @@ def test_classify_without_a_summary():
     assert classify.classify(1, "", said).reason == api.NAN
     said = {0: hb(0, exit_code=EXIT_NAN, exit_reason="nan at step 120", time=5.0, step=119)}
     assert "non-finite loss at step 120" in classify.classify(1, "", said).detail  # it said "near step 119"
+    said = {0: hb(0, exit_code=EXIT_PREEMPTED, exit_reason="preempted", time=5.0)}
+    out = classify.classify(1, "", said)  # perhaps another node's SIGTERM: it said "was preempted (SIGTERM)"
+    assert out.reason == api.PREEMPTED and "a stop reached the group (a SIGTERM, to this node or another)" in out.detail
     assert classify.classify(1, "torch.distributed.DistStoreError: wait timeout", {}).reason == api.RENDEZVOUS
     closed = "torch.distributed.elastic.rendezvous.api.RendezvousClosedError"
     assert classify.classify(1, closed, {0: hb(0)}).reason == api.RENDEZVOUS
