@@ -250,8 +250,9 @@ class Attempt:
         unheard = doc.get("workers_without_heartbeat", [])
         theirs = [f"rank {w['rank']}" if w.get("rank") is not None else f"local rank {w.get('local_rank', '?')}"
                   for w in unheard if w.get("stack_dump")]
-        also = (f"; the state of {len(unheard)} worker(s) that never beat"
-                + (f", stack dumps from {', '.join(theirs)}" if theirs else "")) if unheard else ""
+        also = f"; the state of {len(unheard)} worker(s) that never beat" if unheard else ""
+        if theirs:
+            also += f", stack dumps from {', '.join(theirs)}"
         self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'}{also})")
         return out
 

@@ -72,11 +72,10 @@ def _unreadable(e: OSError) -> ResilientError:
         # The folder that shuts this user out, not a file inside it that may not even exist (`u/job.json` of a
         # checkpoint root of mode 000).
         folder = os.path.dirname(os.path.abspath(e.filename))
-        while not os.access(folder, os.X_OK) and os.path.dirname(folder) != folder \
-                and not os.access(os.path.dirname(folder), os.X_OK):
+        while os.path.dirname(folder) != folder:  # the outermost one wins: nothing below it can be entered
+            if not os.access(folder, os.X_OK):
+                where = folder
             folder = os.path.dirname(folder)
-        if not os.access(folder, os.X_OK):
-            where = folder
     if isinstance(e, PermissionError):
         return UsageError(f"{where}: cannot be read ({reason}); give this user access to it (or run as its "
                           "owner) and run the command again.")

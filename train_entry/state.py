@@ -109,13 +109,18 @@ class TrainState:
         # Checked now, not at the first save; read again if `stateful` changes before the resume.
         self._stateful, self._declared, self._settled = StatefulSet(self.stateful), dict(self.stateful), False
 
+    @property
+    def _listed(self) -> bool:
+        """Several schedulers, saved one entry each by position (one scheduler is saved as itself)."""
+        return isinstance(self.scheduler, (list, tuple))
+
     def _schedulers(self) -> list[Any]:
         if self.scheduler is None:
             return []
-        return list(self.scheduler) if isinstance(self.scheduler, (list, tuple)) else [self.scheduler]
+        return list(self.scheduler) if self._listed else [self.scheduler]
 
     def _scheduler_state(self) -> Any:
-        if isinstance(self.scheduler, (list, tuple)):  # one entry each, by position
+        if self._listed:
             return {str(i): sched.state_dict() for i, sched in enumerate(self.scheduler)}
         return self.scheduler.state_dict()
 
@@ -125,16 +130,15 @@ class TrainState:
         want = self._scheduler_state()
         saved = {k.split(".")[1] for k in keys if k.startswith("scheduler.")}
         if not saved:
-            if any(True for _ in leaves(want)):
+            if any(leaves(want)):
                 raise StatefulError("the LR scheduler is not in this checkpoint (added since it was written?): "
                                     "resuming would restart its schedule from the beginning; remove it, or start "
                                     "a new run")
             return want
-        listed = sorted(int(x) for x in saved if x.isdigit()) if all(x.isdigit() for x in saved) else None
-        several = isinstance(self.scheduler, (list, tuple))
-        if listed != (list(range(len(self._schedulers()))) if several else None):
+        listed = sorted(map(int, saved)) if all(x.isdigit() for x in saved) else None
+        if listed != (list(range(len(self._schedulers()))) if self._listed else None):
             held = f"a list of {len(listed)} schedulers" if listed is not None else "one scheduler"
-            has = f"a list of {len(self._schedulers())}" if several else "one scheduler"
+            has = f"a list of {len(self._schedulers())}" if self._listed else "one scheduler"
             raise StatefulError(f"the checkpoint holds {held} and this run has {has}: pass them as they were "
                                 "saved, or start a new run")
         return want
@@ -223,11 +227,9 @@ class TrainState:
         """Restore everything from a loaded `template`. Returns a note per stateful object restored; raises
         StatefulError naming an object whose own load_state_dict (or reshard hook) failed."""
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        if "scheduler" in sd and isinstance(self.scheduler, (list, tuple)):
-            for i, sched in enumerate(self.scheduler):
-                sched.load_state_dict(sd["scheduler"][str(i)])
-        elif "scheduler" in sd:
-            self.scheduler.load_state_dict(sd["scheduler"])
+        if "scheduler" in sd:
+            for i, sched in enumerate(self._schedulers()):
+                sched.load_state_dict(sd["scheduler"][str(i)] if self._listed else sd["scheduler"])
         pos = json.loads(sd["train"])
         self.step, self.samples_seen, self.tokens_seen = pos["step"], pos["samples_seen"], pos["tokens_seen"]
         self.extra.clear()  # in place: the caller may hold this dict and go on counting in it

@@ -45,9 +45,10 @@ class Tail:
         if f is not None:
             with f:
                 st = os.fstat(f.fileno())
-                if (st.st_dev, st.st_ino) != (self.identity or (st.st_dev, st.st_ino)) or st.st_size < self.offset:
+                now = (st.st_dev, st.st_ino)
+                if self.identity not in (None, now) or st.st_size < self.offset:
                     self.offset = 0  # replaced or truncated under --follow: read the new one from its start
-                self.identity = (st.st_dev, st.st_ino)
+                self.identity = now
                 f.seek(self.offset)
                 while data := f.read(CHUNK):
                     self.offset += len(data)

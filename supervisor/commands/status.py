@@ -95,9 +95,7 @@ class StatusResult:
             supervisor_alive=p.supervisor_alive,
             ranks=[r for n in self.current for r in n.ranks(self.now)],
             run_dir=str(self.run_dir),
-            # Recorded relative to the run dir: shown resolved against where the run dir is now.
-            checkpoint_dir=str(layout.resolved(rec.checkpoint_dir, self.run_dir,
-                                               what=f"{self.run_dir}'s state file (checkpoint_dir)")),
+            checkpoint_dir=str(self.checkpoint_root),
             history=self._history(rec),
         )
         if (gone := self.recorded_checkpoint_gone()) is not None:
@@ -120,13 +118,19 @@ class StatusResult:
             out.append(h)
         return out
 
+    @property
+    def checkpoint_root(self) -> Path:
+        """Recorded relative to the run dir: resolved against where the run dir is now."""
+        return layout.resolved(self.primary.record.checkpoint_dir, self.run_dir,
+                               what=f"{self.run_dir}'s state file (checkpoint_dir)")
+
     def recorded_checkpoint_gone(self) -> str | None:
         """Why the recorded last checkpoint is not valid on disk now (deleted, damaged since), with the newest
         valid one; None when it is, or cannot be judged here (a local tier holds steps the durable root lacks)."""
         rec = self.primary.record
         if rec.last_checkpoint_step is None or rec.replication:
             return None
-        root = layout.resolved(rec.checkpoint_dir, self.run_dir, what=f"{self.run_dir}'s state file (checkpoint_dir)")
+        root = self.checkpoint_root
         if not root.is_dir():
             return f"its root {root} cannot be seen from here (not mounted, or gone)"
         path = root / store.step_dirname(rec.last_checkpoint_step)
