@@ -19,10 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from supervisor import api, classify, evidence, ranklogs, rdzv, store
+from supervisor import api, classify, evidence, ranklogs, rdzv, state, store
 from supervisor.api import AttemptOutcome, AttemptSpec
 from supervisor.config import JobConfig
 from supervisor.console import EventConsole
+from supervisor.layout import RunLayout
 from supervisor.protocol import (
     EXIT_PREEMPTED,
     CommitRecord,
@@ -213,7 +214,13 @@ class Attempt:
                                       for age, r in silent)
         if outcome.reason == api.CHECKPOINT_FAILED:
             outcome.detail += disk_note(self.cfg.checkpoint.dir)
+        if outcome.reason == api.RENDEZVOUS and self.cfg.rdzv.endpoint:
+            outcome.detail += f" at {self.cfg.rdzv.endpoint}{self._missing_nodes()}"
         return outcome
+
+    def _missing_nodes(self) -> str:
+        """The run's other nodes whose supervisor is gone: the ones a group that does not form waits for."""
+        return state.missing_nodes(self.cfg.run_dir, RunLayout(self.cfg.run_dir, self.run_record.node).node_dir)
 
     def _hang(self, handle: AttemptHandle, hangs: list[Any], heartbeats: dict[int, Heartbeat]) -> AttemptOutcome:
         """A rank is hung: capture every rank's stacks and kernel state first, then stop the group."""
@@ -231,7 +238,7 @@ class Attempt:
         """No rank ever beat and torchrun has no workers: it is still in its rendezvous, which is no hang of a
         rank. Say what holds the endpoint (a foreign program on the port makes torchrun wait forever)."""
         detail = (f"torchrun started no workers in {first.for_s:.0f}s: "
-                  f"{rdzv.stalled(self.cfg.rdzv.endpoint, {handle.pid})}")
+                  f"{rdzv.stalled(self.cfg.rdzv.endpoint, {handle.pid})}{self._missing_nodes()}")
         self.console.event(f"attempt {self.spec.attempt}: torchrun started no workers in {first.for_s:.0f}s; "
                            "stopping it", style="red")
         handle.stop(grace_s=HANG_STOP_GRACE_S)

@@ -97,6 +97,7 @@ class RunRecord:
     run_dir: str  # "." : the paths below are relative to the run dir (layout.recorded) unless outside it
     checkpoint_dir: str
     node: str | None = None
+    min_nodes: int | None = None  # the job's nnodes (its MIN in MIN:MAX): fewer nodes cannot form the group
     state: RunState = RunState.PENDING
     supervisor: dict[str, Any] = field(default_factory=dict)
     attempt: int = 0
@@ -181,13 +182,34 @@ def read_nodes(files: list[Path]) -> list[NodeRead]:
     return out
 
 
+def missing_nodes(run_dir: Path, me: Path) -> str:
+    """The other nodes of this run whose supervisor is not running and that did not finish, for a rendezvous that
+    did not form: "; node b's supervisor is not running (last heard 12:00:01)", or "" when none is known."""
+    out = []
+    for n in read_nodes(layout.state_files(run_dir)):
+        if n.node_dir == me or n.alive or n.record is None or n.record.state is RunState.SUCCEEDED:
+            continue
+        heard = time.strftime("%H:%M:%S", time.localtime(n.record.updated_at))
+        out.append(f"node {n.record.node or n.node_dir.name}'s supervisor is not running (last heard {heard})")
+    return "".join(f"; {line}" for line in out)
+
+
 def retired(records: list[tuple[RunRecord, bool]]) -> list[bool]:
     """For each node's (record, supervisor alive): whether the run has gone on without it. A node is retired when
     its supervisor is gone and another node launched an attempt after its record's last word: a Slurm requeue onto
-    other hosts, a node lost for good while the others finished. Its state, ranks and history are the past."""
+    other hosts, a node lost for good while the others finished. Its state, ranks and history are the past.
+
+    A gone node the run still needs is not retired: where fewer nodes than the job's nnodes (its MIN) would be
+    left, the newest gone ones are kept, so that a fixed-size run waiting for a lost node shows that node."""
     launched = [max((h.started_at for h in rec.history), default=0.0) for rec, _ in records]
-    return [not alive and any(j != i and t > rec.updated_at for j, t in enumerate(launched))
-            for i, (rec, alive) in enumerate(records)]
+    out = [not alive and any(j != i and t > rec.updated_at for j, t in enumerate(launched))
+           for i, (rec, alive) in enumerate(records)]
+    newest = max(records, key=lambda ra: ra[0].updated_at, default=None)
+    need = (newest[0].min_nodes or 1) if newest is not None else 1
+    short = need - out.count(False)
+    for i in sorted((i for i, gone in enumerate(out) if gone), key=lambda i: -records[i][0].updated_at)[:max(0, short)]:
+        out[i] = False
+    return out
 
 
 class StateFileError(ValueError):

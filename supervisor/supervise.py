@@ -591,7 +591,8 @@ class Supervisor:
         self._prev_updated_at = prev.updated_at if prev else None
         rec = RunRecord(name=self.cfg.name, run_dir=".",  # paths relative to the run dir: layout.recorded
                         checkpoint_dir=recorded(self.cfg.checkpoint.dir, self.cfg.run_dir),
-                        node=self.layout.node, max_restarts=self.cfg.restart.max_restarts)
+                        node=self.layout.node, max_restarts=self.cfg.restart.max_restarts,
+                        min_nodes=self.cfg.nnodes_range[0])
         if prev is not None:  # a rerun keeps the history, so status tells the whole story
             rec.history, rec.step, rec.last_checkpoint_step = prev.history, prev.step, prev.last_checkpoint_step
             rec.quarantined = prev.quarantined

@@ -165,9 +165,7 @@ class StatusResult:
         if len(self.nodes) > 1:
             lines.append("nodes     " + " · ".join(
                 f"{n.record.node}: {render.styled(n.effective_state.value)}, attempt {n.record.attempt}, "
-                f"{n.record.restarts} restart(s){'' if n.supervisor_alive else ' (supervisor not running)'}"
-                f"{' (retired: the run went on without it)' if n.retired else ''}"
-                for n in self.nodes))
+                f"{n.record.restarts} restart(s){self._node_note(n)}" for n in self.nodes))
         parts: list[Any] = [Text.from_markup(line) for line in lines]
         current = rec.history[-1] if rec.history else None
         if current is not None and current.resumed_tier:
@@ -218,6 +216,17 @@ class StatusResult:
                 prefix = f"{n.record.node} " if multinode else ""
                 parts.extend(Text(prefix + line) for line in timeline.text_timeline(n.record, width=bar))
         return Group(*parts)
+
+
+    def _node_note(self, n: NodeStatus) -> str:
+        if n.supervisor_alive:
+            return ""
+        if n.retired:
+            return " (supervisor not running; retired: the run went on without it)"
+        need = max((m.record.min_nodes or 1 for m in self.nodes), default=1)
+        if need > 1 and not n.record.state.final:  # a fixed-size group cannot form without it
+            return f" (supervisor not running: the run needs {need} nodes, and cannot go on without it)"
+        return " (supervisor not running)"
 
 
 def replication_lines(node: NodeStatus, now: float, *, named: bool) -> list[Text]:
@@ -291,6 +300,21 @@ def _settle_local_tier(rec: RunRecord, run_dir: Path) -> store.CheckpointInfo | 
     rep.pending = sorted(set(rep.pending) | {i.step for i in valid if i.step > durable})
     rec.replication = rep.to_dict()
     return valid[-1]
+
+
+def run_dir_of(target: str | None, overrides: list[str], *, must_exist: bool = True) -> str:
+    """The run dir `resilient run TARGET` with these `--set`s (and `--run-dir`) uses: what a batch script that
+    started the run asks about afterwards, without resolving the job file itself."""
+    if target is None or not Path(target).is_file():
+        raise UsageError(f"status {target or '.'}: --run-dir and --set apply to a job file as TARGET; pass the "
+                         "job file `resilient run` was given, or the run dir alone.")
+    from supervisor.config import load_job  # only here: status otherwise never validates YAML
+
+    run_dir = load_job(target, overrides).run_dir
+    if must_exist and not layout.looks_like_run_dir(run_dir):
+        raise UsageError(f"{target}: no run of this job in {run_dir} yet; start it with `resilient run {target}` "
+                         "and the same options.")
+    return str(run_dir)
 
 
 def collect(target: str | None) -> StatusResult:
