@@ -121,6 +121,10 @@ def status(
         "(the run dir may not exist yet); exit 1 if the run ends or --wait-timeout passes first."),
     wait_timeout: float = typer.Option(300.0, "--wait-timeout", metavar="S",
                                        help="Seconds --wait-ranks waits at most."),
+    run_dir: Optional[str] = typer.Option(  # noqa: UP045
+        None, "--run-dir", metavar="DIR", help="With a job file as TARGET: the run dir `run JOB --run-dir DIR` uses."),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
+                                   help="With a job file as TARGET: the job keys `run` was given (its run_dir)."),
 ) -> None:
     """The state of a run: live or finished."""
 
@@ -129,7 +133,11 @@ def status(
 
         if not (math.isfinite(wait_timeout) and wait_timeout >= 0):  # nan waited for ever, -1 not at all
             raise UsageError(f"--wait-timeout {wait_timeout:g}: seconds to wait, a number from 0 up.")
-        return status_cmd.main(target, as_json, watch, plot=plot, wait_ranks_s=wait_timeout if wait_ranks else None)
+        where = target
+        if run_dir is not None or set_:
+            where = status_cmd.run_dir_of(target, [*set_, *([f"run_dir={run_dir}"] if run_dir is not None else [])],
+                                          must_exist=not wait_ranks)
+        return status_cmd.main(where, as_json, watch, plot=plot, wait_ranks_s=wait_timeout if wait_ranks else None)
 
     _guard(as_json, body, reads_files=True)
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import state, store
+from supervisor import api, state, store
 from supervisor.lock import RunLock
 from tests.ckpt_helpers import flip_byte, truncate, write_checkpoint
+from tests.proc import REPO
 
 INSPECT_FIELDS = {"step", "path", "status", "reason", "size_bytes", "files", "world_size", "created_at"}
 
@@ -454,6 +455,66 @@ def test_nodes_the_run_went_on_without_are_retired_and_do_not_count(tmp_path, cl
     shutil.rmtree(run_dir / "nodes" / "d")
     doc = json.loads(cli("status", run_dir, "--json").stdout)  # nobody followed them: a stopped run
     assert doc["state"] == "stopped" and not any(n["retired"] for n in doc["nodes"])
+
+
+def test_a_lost_node_a_fixed_size_run_still_needs_is_shown_not_retired(tmp_path, cli):
+    """nnodes 2: node b's supervisor was killed, a relaunched and waited for it in the rendezvous, then failed.
+    b was called "retired: the run went on without it" and its attempt hidden, though the run had waited for it
+    (a reviewer's Slurm job). With nnodes 1:2 the run may go on without b: retired, as before."""
+    run_dir = tmp_path / "run"
+
+    def node(name, st, updated, launched, min_nodes):
+        rec = state.RunRecord(name="mn", run_dir=".", checkpoint_dir="checkpoints", node=name, state=st, attempt=1,
+                              min_nodes=min_nodes)
+        rec.history.append(state.AttemptRecord(attempt=1, started_at=launched, resumed_from_step=None,
+                                               reason=api.SUPERVISOR_LOST if name == "b" else None))
+        (run_dir / "nodes" / name).mkdir(parents=True, exist_ok=True)
+        path = run_dir / "nodes" / name / "state.json"
+        state.write(path, rec)
+        doc = json.loads(path.read_text())
+        doc["updated_at"] = updated
+        path.write_text(json.dumps(doc))
+
+    node("b", state.RunState.RUNNING, 100.0, 10.0, 2)  # its supervisor killed: never wrote its end
+    node("a", state.RunState.FAILED, 300.0, 200.0, 2)
+    doc = json.loads(cli("status", run_dir, "--json").stdout)
+    assert {n["node"]: n["retired"] for n in doc["nodes"]} == {"a": False, "b": False}
+    assert doc["state"] == "failed"
+    text = cli("status", run_dir).stdout
+    assert "retired" not in text and "the run needs 2 nodes" in text, text
+    assert api.SUPERVISOR_LOST in text  # b's attempt is in the history
+    node("b", state.RunState.RUNNING, 100.0, 10.0, 1)
+    node("a", state.RunState.SUCCEEDED, 300.0, 200.0, 1)  # nnodes 1:2, say: it went on without b
+    doc = json.loads(cli("status", run_dir, "--json").stdout)
+    assert {n["node"]: n["retired"] for n in doc["nodes"]} == {"a": False, "b": True}
+    assert doc["state"] == "succeeded"
+
+
+def test_a_rendezvous_that_does_not_form_names_the_nodes_whose_supervisor_is_gone(tmp_path):
+    """What a fixed-size group waits for: the other nodes' supervisors that are not running and did not finish."""
+    run_dir = tmp_path / "run"
+    for name, st in (("a", state.RunState.RESTARTING), ("b", state.RunState.RUNNING),
+                     ("c", state.RunState.SUCCEEDED), ("d", state.RunState.STOPPED)):
+        state.write(run_dir / "nodes" / name / "state.json",
+                    state.RunRecord(name="mn", run_dir=".", checkpoint_dir="checkpoints", node=name, state=st))
+    said = state.missing_nodes(run_dir, run_dir / "nodes" / "a")
+    assert said.startswith("; node b's supervisor is not running (last heard "), said
+    assert "node d's" in said and "node a's" not in said and "node c's" not in said, said
+    assert state.missing_nodes(tmp_path / "nowhere", tmp_path) == ""
+
+
+def test_status_of_a_job_file_takes_run_s_run_dir_options(tmp_path, cli):
+    """`status JOB --run-dir DIR` finds the run `run JOB --run-dir DIR` made (the sbatch script asks so); the
+    options need a job file, and a run dir not made yet is said as such."""
+    run_dir = _run_dir(tmp_path)
+    job = REPO / "jobs" / "tiny-cpu.yaml"
+    for given in (["--run-dir", str(run_dir)], ["--set", f"run_dir={run_dir}"]):
+        doc = json.loads(cli("status", job, *given, "--json").stdout)
+        assert doc["run_dir"] == str(run_dir) and doc["state"] == "succeeded"
+    out = cli("status", run_dir, "--set", "checkpoint.keep=2")
+    assert out.exit_code == 2 and "apply to a job file as TARGET" in out.output
+    out = cli("status", job, "--run-dir", tmp_path / "later")
+    assert out.exit_code == 2 and "no run of this job in" in out.output, out.output
 
 
 def _run_dir(tmp_path: Path, steps=(1, 2, 3, 4), **replication) -> Path:
