@@ -142,7 +142,8 @@ class Attempt:
         expected = int(self.cfg.nproc_per_node) if self.cfg.nnodes == "1" and self.cfg.nproc_per_node.isdigit() \
             else None
         watch = RankWatch(self.clock(), hb_cfg.timeout_s, hb_cfg.startup_timeout_s, expected_ranks=expected,
-                          stall_factor=hb_cfg.stall_factor, stall_floor_s=STALL_FLOOR_BEATS * hb_cfg.interval_s)
+                          stall_factor=hb_cfg.stall_factor, stall_floor_s=STALL_FLOOR_BEATS * hb_cfg.interval_s,
+                          save_timeout_s=hb_cfg.save_timeout_s)
         heartbeats: dict[int, Heartbeat] = {}
         next_scan = 0.0
         while True:

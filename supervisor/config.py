@@ -135,6 +135,9 @@ class HeartbeatConfig:
     """A rank silent, or training without progress, this long is hung."""
     startup_timeout_s: float = 600.0
     """Allowance before the first heartbeat (imports, process-group setup, loading the checkpoint)."""
+    save_timeout_s: float | None = None
+    """A rank blocked in one save (a synchronous one, the stop's) this long is hung: a hung mount. None: as long
+    as `startup_timeout_s`. Raise it for a state that takes longer to write than to load."""
     stall_factor: float | None = None
     """If set, a rank in training with no new step for this many times its slowest recent step (at least 3
     heartbeat intervals, at most `timeout_s`) is hung: hangs are caught in seconds on a job with regular steps."""
@@ -486,6 +489,7 @@ SCHEMA: dict[str, Any] = {
         "interval_s": _duration(),
         "timeout_s": _duration(),
         "startup_timeout_s": _duration(),
+        "save_timeout_s": _optional(_duration()),
         "stall_factor": _optional(_factor(2.0)),
     },
     "collective_timeout_s": _duration(),

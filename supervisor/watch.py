@@ -10,7 +10,8 @@ Rules, per rank:
 - phase `startup` or `load` past `startup_timeout_s` since launch: hung;
 - phase `train` without a new step for `timeout_s`: hung (stuck in a collective: its beat thread lives); before
   its first step (a compile, autotuning) only once `startup_timeout_s` has passed since launch as well;
-- phase `save` and `load` are not held to progress; `exited` is never hung.
+- phase `save` and `load` are not held to progress; a `save` is hung once `save_timeout_s` (default
+  `startup_timeout_s`) has passed since it began; `exited` is never hung.
 
 With a `stall_factor` k, a rank in `train` is held to a tighter limit once it has reported its step times:
 k × the slowest of its recent steps, never less than `stall_floor_s` (the supervisor sees a step only when
@@ -74,6 +75,7 @@ class RankWatch:
     expected_ranks: int | None = None
     stall_factor: float | None = None
     stall_floor_s: float = 3.0
+    save_timeout_s: float | None = None  # None: startup_timeout_s
     seen: dict[int, RankSeen] = field(default_factory=dict)
     group_started_at: float | None = None  # torchrun re-formed the group in place (a node joined)
 
@@ -119,7 +121,7 @@ class RankWatch:
                 if since_launch > self.startup_timeout_s:
                     found.append(Hang(rank, STARTUP, since_launch, s.hb.step, phase))
             elif phase == "save":  # not held to the step's pace, but not forever either (a hung NFS mount)
-                if now - s.step_at > self.startup_timeout_s:
+                if now - s.step_at > (self.save_timeout_s or self.startup_timeout_s):
                     found.append(Hang(rank, STARTUP, now - s.step_at, s.hb.step, phase))
             elif phase == "train" and s.hb.first_step_at is None and since_launch <= self.startup_timeout_s:
                 continue  # its first step: the startup's allowance

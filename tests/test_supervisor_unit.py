@@ -249,6 +249,13 @@ def test_hang_rules_with_injected_time():
         w4.observe({0: hb(0, phase="save", seq=t, step=5)}, now=t)
     assert w4.hangs(101.5) == []
     assert [(h.kind, h.describe()) for h in w4.hangs(103.5)] == [(STARTUP, "rank 0 still in save after 102s")]
+    # heartbeat.save_timeout_s: a state that takes longer to write than to load is given its own allowance.
+    w5 = RankWatch(0.0, 10, 100, save_timeout_s=300)
+    w5.observe({0: hb(0, phase="train", seq=1, step=5)}, now=1)
+    for t in range(2, 304):
+        w5.observe({0: hb(0, phase="save", seq=t, step=5)}, now=t)
+    assert w5.hangs(200) == [] and w5.hangs(301.5) == []
+    assert [h.kind for h in w5.hangs(303.5)] == [STARTUP]
     w3 = RankWatch(0.0, 10, 30, expected_ranks=1)
     assert [h.kind for h in w3.hangs(31)] == [NO_HEARTBEAT]
     w3.observe({0: hb(0, phase="startup", seq=1)}, now=25)

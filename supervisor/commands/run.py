@@ -207,7 +207,8 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     whole_run = RunLock(layout.run_dir) if cfg.nnodes == "1" and layout.node_dir != layout.run_dir else None
     with whole_run or contextlib.nullcontext(), RunLock(layout.node_dir), RootClaim(cfg.checkpoint.dir, cfg.run_dir), \
             RootClaim(local, cfg.run_dir) if local is not None else contextlib.nullcontext():
-        console = EventConsole(cfg.name)
+        # Several nodes' supervisors often write into one file (a Slurm job's .out): each line names its node.
+        console = EventConsole(cfg.name if layout.node is None else f"{cfg.name}@{layout.node}")
         if cfg.nnodes == "1" and cfg.rdzv.endpoint is None and cfg.rdzv.backend != "c10d":
             console.event(f"rdzv.backend {cfg.rdzv.backend} is not used: one node without rdzv.endpoint runs "
                           "torchrun --standalone", style="yellow")
