@@ -425,6 +425,34 @@ def test_logs_follow_of_a_killed_supervisors_run_goes_on_while_its_ranks_still_w
     assert logs._over([tmp_path / "state.json"], None)
 
 
+def test_logs_rank_follow_across_attempts_is_content_with_the_ranks_earlier_output(tmp_path, monkeypatch, capsys):
+    """`logs --rank 1 --follow`: rank 1 wrote in attempt 1; attempt 2 (a smaller world, say) never had a rank 1.
+    It erred "no output for rank 1" after printing rank 1's lines; the rank was seen, so it ends 0."""
+    from supervisor.commands import logs
+
+    rec = _state_file(tmp_path, state=state.RunState.RUNNING, attempt=1)
+    (tmp_path / "logs" / "attempt_1" / "rank_1").mkdir(parents=True)
+    (tmp_path / "logs" / "attempt_1" / "rank_1" / "stdout.log").write_text("one\n")
+
+    def relaunch():  # the supervisor's relaunch, then the run's end, one poll each
+        (tmp_path / "logs" / "attempt_2" / "rank_0").mkdir(parents=True)
+        (tmp_path / "logs" / "attempt_2" / "rank_0" / "stdout.log").write_text("zero\n")
+        rec.attempt = 2
+        state.write(tmp_path / "state.json", rec)
+
+    def finish():
+        rec.state = state.RunState.SUCCEEDED
+        state.write(tmp_path / "state.json", rec)
+
+    steps = iter([relaunch, finish])
+    monkeypatch.setattr(logs.time, "sleep", lambda _s: next(steps, lambda: None)())
+    with RunLock(tmp_path):
+        assert logs.main(str(tmp_path), 1, None, True) == 0
+    out = capsys.readouterr()
+    assert out.out == "[rank 1 out] one\n", out
+    assert "attempt 2" in out.err and "no output for rank 1" not in out.err
+
+
 def test_nodes_the_run_went_on_without_are_retired_and_do_not_count(tmp_path, cli):
     """Nodes a and b (their supervisors gone) were followed by c and d, whose attempts began after a's and b's
     last word: the run is c's and d's. A node whose supervisor is gone but that nobody followed still counts."""
