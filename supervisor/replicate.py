@@ -299,6 +299,9 @@ class Replicator:
             self._thread.join(timeout=5)
         if not self._thread.is_alive():  # the last copies' retention and the final numbers for the state file
             with contextlib.suppress(Exception):
+                # Steps the periodic look queued again from a stale newest durable step, superseded since: not
+                # "pending" in the state file (a reviewer's run showed a node up to date with [90, 110] pending).
+                self._drop_superseded()
                 self._local_retention(spares=False)
                 self._refresh()
             with contextlib.suppress(Exception):  # a skipped step's partial another node's publish had to spare
@@ -370,14 +373,19 @@ class Replicator:
     def _done(self, step: int) -> None:
         """`step` has this node's part in the durable tier: it leaves the queue, and so do the queued steps older
         than the newest durable checkpoint (superseded: local retention may delete them, nobody resumes from them)."""
-        newest = max(self._durable_valid(), default=-1)
         with self._lock:
             self._queue.discard(step)
+            self._handled.add(step)
+        self._drop_superseded()
+
+    def _drop_superseded(self) -> None:
+        """The queued steps older than the newest durable checkpoint leave the queue: nobody resumes from them."""
+        newest = max(self._durable_valid(), default=-1)
+        with self._lock:
             superseded = sorted(s for s in self._queue if s < newest)
             self._queue.difference_update(superseded)
             self.state.superseded += sum(  # steps start() re-queued with their part there were copied
                 s not in self._handled and not self._part(s).exists() for s in superseded)
-            self._handled.add(step)
             self._handled.update(superseded)
         if superseded:
             log.info("not copying local step(s) %s to the durable tier: step %d is there, newer", superseded, newest)

@@ -557,3 +557,20 @@ def test_a_commit_shows_in_the_lag_at_once_not_after_the_next_copy(tmp_path):
     r.notify(10)
     snap = r.snapshot()
     assert (snap["newest_local"], snap["lag_steps"], snap["pending"]) == (20, 20, [10, 20])
+
+
+def test_steps_queued_again_from_a_stale_newest_durable_step_are_not_pending_at_the_end(tmp_path):
+    """The periodic look queued local steps 10 and 20 again from the newest durable step it last saw, and the
+    supervisor stopped before the thread took them: step 30, durable meanwhile, supersedes them. A node whose tiers
+    were up to date showed them "pending" in its state file for good (seen in the slow-durable-tier e2e test)."""
+    for node in NODES:
+        for step in (10, 20, 30):
+            local_checkpoint(tmp_path / f"local-{node}", step, node)
+    a, b = replicator(tmp_path, "a", keep_local=3), replicator(tmp_path, "b", keep_local=3)
+    a._replicate(30)
+    b._replicate(30)
+    assert store.inspect(tmp_path / "durable" / store.step_dirname(30)).valid
+    a._queue.update({10, 20})  # as _revisit(thorough=False) did, its newest durable step still None
+    a.stop()  # the thread never started: stop() settles what the state file says
+    snap = a.snapshot()
+    assert snap["pending"] == [] and snap["newest_durable"] == 30, snap
