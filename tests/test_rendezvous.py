@@ -41,8 +41,8 @@ def test_a_free_port_and_a_remote_endpoint_say_so():
 def test_a_foreign_program_on_the_rendezvous_port_is_named_not_taken_for_a_hang(tmp_path, held_port):
     run_dir = tmp_path / "run"
     argv = resilient("run", JOB, "--run-dir", run_dir, "--node", "a", "--set", "nnodes=1:2",
-                     "--set", f"rdzv.endpoint=127.0.0.1:{held_port}", "--set", "rdzv.conf.join_timeout=6",
-                     "--set", "heartbeat.startup_timeout_s=5s")
+                     "--set", f"rdzv.endpoint=127.0.0.1:{held_port}", "--set", "rdzv.conf.join_timeout=4",
+                     "--set", "heartbeat.startup_timeout_s=3s")
     proc = Proc(argv, tmp_path)
     try:
         rc = proc.wait(120)

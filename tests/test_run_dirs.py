@@ -393,7 +393,7 @@ def test_recovery_exercise_rank_logs_and_a_moved_run_dir_that_resumes(tmp_path, 
     run_dir = tmp_path / "runs" / "recover"
     # As the README has it: the PID is asked for in another shell, before the run dir even exists.
     with started(resilient("status", run_dir, "--wait-ranks", "--json"), tmp_path, log=tmp_path / "wait.log") as w, \
-            started(run_job(run_dir, steps=60, sleep=0.1), tmp_path, log=tmp_path / "sup1.log") as sup:
+            started(run_job(run_dir, steps=60, sleep=0.05), tmp_path, log=tmp_path / "sup1.log") as sup:
         assert w.wait(120) == 0, w.output()
         ranks = json.loads(w.output())["ranks"]
         assert [(r["rank"], r["alive"], r["phase"]) for r in ranks] == [(0, True, "train"), (1, True, "train")]

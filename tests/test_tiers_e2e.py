@@ -59,7 +59,7 @@ def test_the_local_tier_is_replicated_through_a_supervisor_kill_and_a_bad_local_
     tier = f"checkpoint.local_dir={local}"
     # 1. The supervisor is killed -9 while it copies a checkpoint (a test hook holds the copy after one file).
     paused = child_env(RESILIENT_TEST_REPLICATE_PAUSE_S="60")
-    sup = Proc(run_job(run_dir, tier, steps=60), tmp_path, env=paused, log=tmp_path / "first.log")
+    sup = Proc(run_job(run_dir, tier, steps=60, sleep=0.0), tmp_path, env=paused, log=tmp_path / "first.log")
     try:
         partial = wait_for(lambda: copying(durable), 90, "a copy to the durable tier under way")
         wait_for(lambda: valid_steps(local)[-1:] == [60], 90, "the ranks' last local commit")
@@ -122,14 +122,14 @@ def test_a_signal_during_the_exit_copy_cuts_it_to_the_stop_timeout(tmp_path):
     scheduler's grace period) gives it stop_timeout_s more, not the rest (it was ignored: SIGKILL came mid-copy)."""
     run_dir, local = tmp_path / "run", tmp_path / "local"
     paused = child_env(RESILIENT_TEST_REPLICATE_PAUSE_S="600")
-    with started(run_job(run_dir, f"checkpoint.local_dir={local}", "stop_timeout_s=3", steps=40, sleep=0.0),
+    with started(run_job(run_dir, f"checkpoint.local_dir={local}", "stop_timeout_s=1", steps=40, sleep=0.0),
                  tmp_path, env=paused, log=tmp_path / "sup.log") as sup:
         wait_for(lambda: "to the durable tier before exiting" in sup.output(), 120, "the exit copy")
         sup.signal(signal.SIGTERM)
         code = sup.wait(30)
         console = sup.output()
     assert code == 0, console[-3000:]  # the job had finished: the signal cut only the copy
-    assert "SIGTERM: copying for up to 3s more, then exiting" in console, console[-3000:]
+    assert "SIGTERM: copying for up to 1s more, then exiting" in console, console[-3000:]
     assert "`resilient run` again goes on copying" in console
     assert valid_steps(local) == [20, 40] and valid_steps(run_dir / "checkpoints") == []
 
@@ -150,7 +150,7 @@ def fill(disk: Path) -> Path:
 def test_a_full_durable_tier_does_not_stop_training_and_a_replaced_node_loses_at_most_the_lag(tmp_path, small_disk):
     run_dir, local = tmp_path / "run", tmp_path / "local"
     sets = (f"checkpoint.local_dir={local}", f"checkpoint.dir={small_disk}", "checkpoint.keep=1")
-    with started(run_job(run_dir, *sets, steps=400, sleep=0.05), tmp_path, log=tmp_path / "first.log") as sup:
+    with started(run_job(run_dir, *sets, steps=400, sleep=0.02), tmp_path, log=tmp_path / "first.log") as sup:
         wait_for(lambda: valid_steps(small_disk), 90, "a first durable checkpoint")
         filler = fill(small_disk)
         failing = wait_for(lambda: state(run_dir).get("replication", {}).get("failing_since"), 60,
