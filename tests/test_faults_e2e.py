@@ -50,19 +50,24 @@ def test_a_long_first_step_and_a_long_last_save_are_not_hangs(tmp_path):
     the last interval's save to persist is a save, not a train step without progress. Both were killed as hangs,
     every attempt again, until the restart budget ran out."""
     cases = {"last save": ("--test-save-pause", "mid_data:7@40"), "first step": ("--test-slow-rank", "0:7")}
-    for name, extra in cases.items():
-        run_dir = tmp_path / name.replace(" ", "-")
-        argv = run_job(run_dir, "heartbeat.timeout_s=4s", "heartbeat.startup_timeout_s=60s",
-                       steps=40 if name == "last save" else 1, sleep=0.0, extra_args=extra)
-        with started(argv, tmp_path, log=tmp_path / f"{run_dir.name}.log") as sup:
+    # The two runs are independent (each its own run dir and rendezvous port): they run side by side, each
+    # sleeping through its own 7 s, and each is judged on its own.
+    with contextlib.ExitStack() as stack:
+        sups = {}
+        for name, extra in cases.items():
+            run_dir = tmp_path / name.replace(" ", "-")
+            argv = run_job(run_dir, "heartbeat.timeout_s=4s", "heartbeat.startup_timeout_s=60s",
+                           steps=40 if name == "last save" else 1, sleep=0.0, extra_args=extra)
+            sups[name] = (run_dir, stack.enter_context(started(argv, tmp_path, log=tmp_path / f"{run_dir.name}.log")))
+        for name, (run_dir, sup) in sups.items():
             assert sup.wait(RUN_TIMEOUT) == 0, (name, sup.output()[-3000:])
-        assert [h["reason"] for h in status(run_dir)["history"]] == ["finished"], name
+            assert [h["reason"] for h in status(run_dir)["history"]] == ["finished"], name
 
 
 def test_a_collective_timeout_is_classified_and_recovered(tmp_path):
     run_dir = tmp_path / "run"
     # The heartbeat timeout is long, so gloo's own 5 s timeout is what notices the stopped rank.
-    argv = run_job(run_dir, "collective_timeout_s=5", "heartbeat.timeout_s=120", "stop_timeout_s=5", steps=100)
+    argv = run_job(run_dir, "collective_timeout_s=5", "heartbeat.timeout_s=120", "stop_timeout_s=5", steps=60)
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=15), 90, "training")
         victim = next(r for r in ranks if r["rank"] == 1)
@@ -86,7 +91,7 @@ def test_a_collective_timeout_is_classified_and_recovered(tmp_path):
 def test_a_long_synchronous_save_is_not_a_hang(tmp_path):
     run_dir = tmp_path / "run"
     argv = run_job(run_dir, "checkpoint.async=false", "heartbeat.timeout_s=4", "heartbeat.interval_s=0.5",
-                   steps=40, extra_args=("--test-save-pause", "before_marker:6@20"))
+                   steps=40, sleep=0.0, extra_args=("--test-save-pause", "before_marker:6@20"))
     seen_phases = set()
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         def saving() -> bool:
@@ -119,7 +124,7 @@ def test_a_real_oom_a_preempted_rank_and_a_killed_torchrun_are_each_classified_a
     """Three real faults in one run, one per attempt: the allocator's own out-of-memory error, a rank that
     gets SIGTERM from someone else (it checkpoints and exits 75), and torchrun itself SIGKILLed."""
     run_dir = tmp_path / "run"
-    argv = run_job(run_dir, steps=200, extra_args=("--test-oom-at-step", "25", "--test-attempts", "1"))
+    argv = run_job(run_dir, steps=170, extra_args=("--test-oom-at-step", "25", "--test-attempts", "1"))
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         def attempt_ranks(attempt: int, min_step: int) -> list[dict]:
             return live_ranks(run_dir, min_step) if state(run_dir).get("attempt") == attempt else []
@@ -185,7 +190,7 @@ def test_the_restart_budget_runs_out_and_the_run_stops_with_exit_1(tmp_path):
 def test_an_auto_interval_is_chosen_by_the_supervisor_and_followed_by_the_ranks_across_a_relaunch(tmp_path):
     run_dir = tmp_path / "run"
     argv = run_job(run_dir, "checkpoint.interval_steps=auto", "checkpoint.expected_mtbf_s=20",
-                   "checkpoint.min_interval_steps=5", "checkpoint.max_interval_steps=40", steps=240, sleep=0.01)
+                   "checkpoint.min_interval_steps=5", "checkpoint.max_interval_steps=40", steps=160, sleep=0.01)
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         wait_for(lambda: "(from the supervisor)" in rank_log(run_dir, 1, 0), 120, "rank 0 to take the interval")
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=60), 120, "step 60")
@@ -198,7 +203,7 @@ def test_an_auto_interval_is_chosen_by_the_supervisor_and_followed_by_the_ranks_
     assert "checkpoint interval" in console and (run_dir / "control.json").is_file()
     for attempt in (1, 2):
         commits = [r.step for r in read_step_log(run_dir / "steps" / f"attempt_{attempt}.jsonl")
-                   if isinstance(r, CommitRecord) and r.step != 240]  # the final save comes when training ends
+                   if isinstance(r, CommitRecord) and r.step != 160]  # the final save comes when training ends
         start = doc["history"][attempt - 1]["resumed_from_step"] or 0
         # Counted from the last save (or the resume step), never the ranks' default of 50 (or its multiples):
         # resumed from 40, a first save at 50 is the supervisor's 10 (the test once read it as the default).
@@ -251,9 +256,11 @@ def test_a_changed_model_is_named_in_one_line_and_stops_the_run_with_its_checkpo
     'CheckpointException ranks:dict_keys([0, 1]) Traceback ...', cut off before the cause, and called the passed
     over checkpoint 'rolled back past it (a non-finite loss ...)'."""
     run_dir = tmp_path / "run"
-    with started(run_job(run_dir, steps=40, extra_args=("--n-embd", "32")), tmp_path, log=tmp_path / "a.log") as sup:
+    first = run_job(run_dir, steps=40, sleep=0.0, extra_args=("--n-embd", "32"))
+    with started(first, tmp_path, log=tmp_path / "a.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
-    with started(run_job(run_dir, steps=80, extra_args=("--n-embd", "48")), tmp_path, log=tmp_path / "b.log") as sup:
+    changed = run_job(run_dir, steps=80, sleep=0.0, extra_args=("--n-embd", "48"))
+    with started(changed, tmp_path, log=tmp_path / "b.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 1, sup.output()[-3000:]
         out = sup.output()
     assert "no longer match the training code or model" in out, out[-3000:]

@@ -41,18 +41,19 @@ def test_example_survives_two_sigkills_bitwise_and_refuses_a_world_size_its_load
     """The acceptance line: model, optimizer, EMA, scaler and loader state equal an uninterrupted run's."""
     pytest.importorskip("torchdata", reason="the example needs torchdata: pip install -e '.[dev]' installs it")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    with started(example_job(straight, 200), tmp_path, log=tmp_path / "straight.log") as sup:
-        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
 
     def attempt_ranks(attempt: int, min_step: int) -> list[dict]:
         return live_ranks(killed, min_step) if state(killed).get("attempt") == attempt else []
 
     first = rng.randint(25, 45)  # attempt 2 is killed 10 steps later: 145+ steps before the run ends
-    with started(example_job(killed, 200), tmp_path, log=tmp_path / "killed.log") as sup:
+    # The uninterrupted run is the reference only at its end: it trains alongside the killed one.
+    with started(example_job(straight, 200), tmp_path, log=tmp_path / "straight.log") as ref, \
+            started(example_job(killed, 200), tmp_path, log=tmp_path / "killed.log") as sup:
         for attempt, at_step in ((1, first), (2, first + 10)):
             ranks = wait_for(lambda a=attempt, s=at_step: attempt_ranks(a, s), 120, f"attempt {attempt} training")
             os.kill(rng.choice(ranks)["pid"], signal.SIGKILL)
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+        assert ref.wait(RUN_TIMEOUT) == 0, ref.output()[-3000:]
     history = status(killed)["history"]
     assert [h["reason"] for h in history] == ["worker_signal", "worker_signal", "finished"], history
     a, b = store.latest_valid(straight / "checkpoints"), store.latest_valid(killed / "checkpoints")

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow
 
 def test_sigkill_of_a_random_worker_at_a_random_moment(tmp_path, rng):
     run_dir = tmp_path / "run"
-    kill_at = rng.randint(5, 45)  # the random moment, within training (the run ends at 120)
-    with started(run_job(run_dir), tmp_path, log=tmp_path / "sup.log") as sup:
+    kill_at = rng.randint(5, 45)  # the random moment, within training (the run ends at 100)
+    with started(run_job(run_dir, steps=100), tmp_path, log=tmp_path / "sup.log") as sup:
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=kill_at), 90, f"both ranks past step {kill_at}")
         victim = rng.choice(ranks)
         before = store.latest_valid(run_dir / "checkpoints")
@@ -45,8 +45,8 @@ def test_sigkill_of_a_random_worker_at_a_random_moment(tmp_path, rng):
     floor = before.step if before else None
     assert resumed == floor or (resumed is not None and resumed == (floor or 0) + 20), (resumed, floor)
     assert (f"resuming from step {resumed}" if resumed is not None else "starting fresh") in console
-    assert "worker_signal" in console and "finished at step 120" in console
-    assert store.latest_valid(run_dir / "checkpoints").step == 120
+    assert "worker_signal" in console and "finished at step 100" in console
+    assert store.latest_valid(run_dir / "checkpoints").step == 100
 
 
 @pytest.mark.parametrize("timeout_s, stall_factor, detect_within_s", [(6.0, None, 8.0), (60.0, 10, 15.0)],
@@ -58,7 +58,7 @@ def test_sigstop_is_a_hang_detected_within_the_timeout_with_a_stack_dump(tmp_pat
     sets = [f"heartbeat.timeout_s={timeout_s}", "heartbeat.interval_s=0.5"]
     if stall_factor is not None:
         sets.append(f"heartbeat.stall_factor={stall_factor}")
-    with started(run_job(run_dir, *sets, steps=150), tmp_path, log=tmp_path / "sup.log") as sup:
+    with started(run_job(run_dir, *sets, steps=100), tmp_path, log=tmp_path / "sup.log") as sup:
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=25), 90, "training past step 25")
         victim = ranks[1]
         os.kill(victim["pid"], signal.SIGSTOP)
@@ -91,7 +91,7 @@ def test_sigstop_is_a_hang_detected_within_the_timeout_with_a_stack_dump(tmp_pat
 
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous(tmp_path):
     run_dir = tmp_path / "run"
-    argv = run_job(run_dir, steps=80, extra_args=("--test-save-pause", "mid_data:12@40", "--test-attempts", "1"))
+    argv = run_job(run_dir, steps=60, extra_args=("--test-save-pause", "mid_data:5@40", "--test-attempts", "1"))
     partial = run_dir / "checkpoints" / store.partial_dirname(40)
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         # The paused save holds the ranks in phase `save` from step 60 on: alive in any phase will do.
@@ -143,7 +143,7 @@ def test_a_hangup_of_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tm
     below and Slurm's scancel. On a relaunched attempt, whose torchrun is a fork of the prewarm server (attempt 1's
     stop is in test_checkpoint_faults_e2e's damaged-checkpoints test)."""
     run_dir = tmp_path / "run"
-    with started(run_job(run_dir, steps=200), tmp_path, log=tmp_path / "sup1.log") as sup:
+    with started(run_job(run_dir, steps=120), tmp_path, log=tmp_path / "sup1.log") as sup:
         relaunch_on_a_forked_torchrun(sup, run_dir)
         wait_for(lambda: live_ranks(run_dir, min_step=state(run_dir)["history"][-1]["resumed_from_step"] + 5), 90,
                  "attempt 2 past its resume step")
@@ -164,7 +164,7 @@ def test_a_hangup_of_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tm
     # shows the stop's own checkpoint is that it was committed after the signal, at the stop step.
     latest = store.latest_valid(run_dir / "checkpoints", deep=True)
     assert latest.step == stop_step and latest.created_at > signalled_at, (latest.step, stop_step, why)
-    with started(run_job(run_dir, steps=200, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup:
+    with started(run_job(run_dir, steps=120, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
         assert f"resuming from step {stop_step}" in sup.output()
 
@@ -194,7 +194,7 @@ def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path
     killed with its supervisor in test_checkpoint_faults_e2e, mid-save)."""
     run_dir = tmp_path / "run"
     attempt = 2
-    sup = Proc(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup1.log")
+    sup = Proc(run_job(run_dir, steps=80), tmp_path, log=tmp_path / "sup1.log")
     try:
         torchrun = relaunch_on_a_forked_torchrun(sup, run_dir)
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=10), 90, "training")
@@ -213,7 +213,7 @@ def test_kill_9_of_the_supervisor_leaves_no_worker_and_a_rerun_finishes(tmp_path
     assert doc["last_checkpoint_step"] == newest.step, (doc["last_checkpoint_step"], newest.step)
     assert doc["step"] == max(r["step"] for r in doc["ranks"]) >= newest.step, doc["ranks"]
     assert {r["phase"] for r in doc["ranks"]} == {"exited"}, doc["ranks"]
-    with started(run_job(run_dir, steps=150, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup2:
+    with started(run_job(run_dir, steps=80, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup2:
         assert sup2.wait(RUN_TIMEOUT) == 0, sup2.output()[-3000:]
         console = sup2.output()
     doc = status(run_dir)
@@ -231,7 +231,7 @@ def test_a_rerun_stops_a_forked_rank_that_outlived_a_killed_supervisor_before_re
     of the prewarm server, whose command line names no training script: the rerun knows it by its pid and its
     start time, continues and stops it, and only then launches."""
     run_dir = tmp_path / "run"
-    sup = Proc(run_job(run_dir, steps=150), tmp_path, log=tmp_path / "sup1.log")
+    sup = Proc(run_job(run_dir, steps=80), tmp_path, log=tmp_path / "sup1.log")
     stopped = None
     try:
         relaunch_on_a_forked_torchrun(sup, run_dir)
@@ -241,7 +241,7 @@ def test_a_rerun_stops_a_forked_rank_that_outlived_a_killed_supervisor_before_re
         stopped.suspend()
         os.kill(sup.pid, signal.SIGKILL)
         sup.wait(30)
-        with started(run_job(run_dir, steps=150, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup2:
+        with started(run_job(run_dir, steps=80, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup2:
             assert sup2.wait(RUN_TIMEOUT) == 0, sup2.output()[-3000:]
             out = sup2.output()
         assert f"rank(s) left by a previous supervisor: [{ranks[0]['pid']}, {stopped.pid}]" in out or \
@@ -260,19 +260,19 @@ def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
     """Two SIGKILLs: attempt 3's ranks are forks of the prewarm server, and the final model and optimizer
     equal those of an uninterrupted run, tensor by tensor; every checkpoint written verifies byte for byte."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    with started(run_job(straight, steps=160, sleep=0.0), tmp_path, log=tmp_path / "straight.log") as sup:
+    with started(run_job(straight, steps=120, sleep=0.0), tmp_path, log=tmp_path / "straight.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
     # One worker group made every save of the uninterrupted run, async: a stager reused across saves.
     records = read_step_log(straight / "steps" / "attempt_1.jsonl")
     saves = [r.step for r in records if isinstance(r, SaveRecord)]
     commits = [r.step for r in records if isinstance(r, CommitRecord)]
-    assert saves == commits == list(range(20, 161, 20)) and len(status(straight)["history"]) == 1
+    assert saves == commits == list(range(20, 121, 20)) and len(status(straight)["history"]) == 1
 
     def attempt_ranks(attempt: int, min_step: int = 0) -> list[dict]:
         return live_ranks(killed, min_step) if state(killed).get("attempt") == attempt else []
 
-    with started(run_job(killed, steps=160), tmp_path, log=tmp_path / "killed.log") as sup:
-        for attempt, at_step in ((1, 30), (2, 70)):
+    with started(run_job(killed, steps=120), tmp_path, log=tmp_path / "killed.log") as sup:
+        for attempt, at_step in ((1, 30), (2, 50)):
             ranks = wait_for(lambda a=attempt, s=at_step: attempt_ranks(a, s), 90, f"attempt {attempt} training")
             os.kill(ranks[1]["pid"], signal.SIGKILL)
         ranks = wait_for(lambda: attempt_ranks(3), 90, "attempt 3 training")
@@ -288,12 +288,12 @@ def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
     assert [h["reason"] for h in status(killed)["history"]] == ["worker_signal", "worker_signal", "finished"]
     a, b = store.latest_valid(straight / "checkpoints"), store.latest_valid(killed / "checkpoints")
-    assert a.step == b.step == 160
+    assert a.step == b.step == 120
     assert_same_training_state(a.path, b.path)
     verify = subprocess.run(resilient("inspect-checkpoint", killed, "--verify", "--json"), capture_output=True,
                             text=True, env=child_env(), timeout=60)
     doc = json.loads(verify.stdout)
-    assert verify.returncode == 0 and doc["verified"] and doc["latest_valid_step"] == 160, verify.stderr
+    assert verify.returncode == 0 and doc["verified"] and doc["latest_valid_step"] == 120, verify.stderr
     assert {c["status"] for c in doc["checkpoints"]} == {"valid"} and len(doc["checkpoints"]) == 3  # keep: 3
 
 
@@ -348,7 +348,7 @@ def test_a_module_that_cannot_be_imported_is_a_config_error(tmp_path):
 def test_a_users_own_script_with_the_library_survives_a_sigkill(tmp_path):
     run_dir = tmp_path / "run"
     argv = resilient("run", REPO / "jobs" / "my-script.yaml", "--run-dir", run_dir, "--set",
-                     'entrypoint.args=["--steps", "400"]', "--set", "checkpoint.interval_steps=50")
+                     'entrypoint.args=["--steps", "300"]', "--set", "checkpoint.interval_steps=50")
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=60), 90, "step 60")
         os.kill(ranks[0]["pid"], signal.SIGKILL)
@@ -356,14 +356,14 @@ def test_a_users_own_script_with_the_library_survives_a_sigkill(tmp_path):
     doc = status(run_dir)
     assert [h["reason"] for h in doc["history"]] == ["worker_signal", "finished"]
     assert doc["history"][1]["resumed_from_step"] >= 50
-    assert store.latest_valid(run_dir / "checkpoints").step == 400
+    assert store.latest_valid(run_dir / "checkpoints").step == 300
 
 
 def test_a_console_reader_that_goes_away_does_not_stop_the_training(tmp_path):
     """`resilient run job.yaml 2>&1 | grep -m1 committed`: grep exits, the supervisor's next line met a broken pipe,
     and the supervisor died of it, stopping the ranks (a reviewer's). It now goes on talking to /dev/null."""
     run_dir = tmp_path / "run"
-    p = subprocess.Popen(run_job(run_dir, steps=160), cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL,
+    p = subprocess.Popen(run_job(run_dir, steps=80), cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
     try:
         assert p.stderr is not None
@@ -383,7 +383,7 @@ def test_a_console_reader_that_goes_away_does_not_stop_the_training(tmp_path):
                     q.kill()
             psutil.wait_procs(family, timeout=10)
     doc = status(run_dir)
-    assert doc["state"] == "succeeded" and doc["step"] == 160, (doc["state"], doc["step"])
+    assert doc["state"] == "succeeded" and doc["step"] == 80, (doc["state"], doc["step"])
 
 
 def test_ctrl_z_suspends_the_supervisor_says_the_ranks_train_on_and_fg_watches_again(tmp_path):
@@ -401,7 +401,7 @@ def test_ctrl_z_suspends_the_supervisor_says_the_ranks_train_on_and_fg_watches_a
         fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
 
     log = open(tmp_path / "sup.log", "wb")  # noqa: SIM115 (closed below)
-    sup = subprocess.Popen(run_job(run_dir, steps=150), cwd=tmp_path, env=child_env(), stdin=slave, stdout=log,
+    sup = subprocess.Popen(run_job(run_dir, steps=80), cwd=tmp_path, env=child_env(), stdin=slave, stdout=log,
                            stderr=subprocess.STDOUT, preexec_fn=own_terminal)
     me = psutil.Process(sup.pid)
     seen = {me.pid: me}
