@@ -24,7 +24,7 @@ import pytest
 from supervisor import store
 from tests.proc import REPO, child_env, free_port, wait_for
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 SBATCH = REPO / "jobs" / "slurm" / "resilient.sbatch"
 JOB = REPO / "jobs" / "tiny-cpu.yaml"

@@ -240,7 +240,11 @@ def test_two_nodes_resume_from_their_own_local_tiers_and_assemble_the_durable_ch
         doc = json.loads((run_dir / "nodes" / name / "state.json").read_text())
         resumed = doc["history"][-1]
         assert resumed["resumed_tier"] == "local", resumed
-        assert resumed["resumed_why"] == f"every node holds step {resumed['resumed_from_step']} whole"
+        step = resumed["resumed_from_step"]
+        why = f"every node holds step {step} whole"
+        # A kill inside the next save can leave that step committed on one node's tier only: the why says so.
+        behind = f"{why} (the nodes' newest local steps: [{step}, {step + INTERVAL}])"
+        assert resumed["resumed_why"] in (why, behind), resumed
         # A node's local tier holds its own rank's shards, not the other's.
         copy = tmp_path / "local" / name / store.step_dirname(100)
         ranks = store.inspect(copy).manifest.extra["ranks"][name]
