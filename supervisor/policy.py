@@ -3,7 +3,10 @@
 - configuration and import errors stop at once: retrying cannot help;
 - a `nan` exit rolls back once to the valid checkpoint before the newest, then stops;
 - `crash_loop_attempts` consecutive failures without a new valid checkpoint stop as a crash loop;
-- `max_restarts` relaunches at most; preemptions the supervisor itself asked for do not count;
+- `max_restarts` relaunches at most; preemptions do not count: the supervisor's own stop ends the run before any
+  decision, and a stop it did not ask for (another node's supervisor stopped, whose ranks told the group; a
+  SIGTERM to a rank) is a change of membership, as torchrun counts it, not a failure. The crash-loop rule still
+  bounds stops that keep coming before any new checkpoint;
 - backoff doubles per consecutive failure without progress, up to `max_backoff_s`;
 - a launch that failed in the rendezvous before any rank ran (a store that closed or vanished while the
   nodes relaunch) is retried after a short wait without spending the budget, for up to `rendezvous_s`;
@@ -97,11 +100,15 @@ class RestartPolicy:
                   else f"at steps {', '.join(map(str, steps))}")
             return self._stop(f"crash loop: {self.no_progress} consecutive attempts made no new valid checkpoint, "
                               f"failing {at} ({outcome.reason}: {outcome.detail})")
+        wait = min(self.cfg.max_backoff_s, self.cfg.backoff_s * (2 ** max(0, self.no_progress - 1)))
+        if outcome.reason == api.PREEMPTED:
+            return Decision(True, wait_s=wait, counts_as_restart=False,
+                            message=f"relaunch in {wait:.1f}s after a stop that came from elsewhere, not counted "
+                                    f"({self.restarts}/{self.cfg.max_restarts} restarts used)")
         if self.restarts >= self.cfg.max_restarts:
             return self._stop(f"the restart budget is spent ({self.restarts}/{self.cfg.max_restarts} restarts); "
                               f"the last failure: {outcome.reason}: {outcome.detail}")
         self.restarts += 1
-        wait = min(self.cfg.max_backoff_s, self.cfg.backoff_s * (2 ** max(0, self.no_progress - 1)))
         left = self.cfg.max_restarts - self.restarts
         message = f"restart {self.restarts}/{self.cfg.max_restarts} ({left} left) in {wait:.1f}s"
         if set_aside is not None:

@@ -136,8 +136,10 @@ def test_a_real_oom_a_preempted_rank_and_a_killed_torchrun_are_each_classified_a
         launcher = wait_for(lambda: torchrun_of(run_dir), 30, "attempt 3's torchrun")
         launcher.kill()
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
-    history = status(run_dir)["history"]
+    doc = status(run_dir)
+    history = doc["history"]
     assert [h["reason"] for h in history] == ["oom", "preempted", "launcher_died", "finished"], history
+    assert doc["restarts"] == 2, "a stop the supervisor did not ask for spends no restart"
     assert "ran out of memory" in history[0]["detail"] and "Cannot allocate memory" in history[0]["detail"]
     assert history[1]["failed_rank"] is not None and history[1]["exit_code"] == 75
     stop = history[1]["step_at_failure"]  # the preempted ranks checkpointed their stop step (retention took it since)

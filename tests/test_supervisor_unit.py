@@ -189,6 +189,23 @@ def test_policy_crash_loop_names_the_step():
     assert "failing before their first step (" in d.message, d.message
 
 
+def test_policy_a_stop_from_elsewhere_relaunches_without_spending_the_budget_but_not_forever():
+    """Another node's stop (its ranks told the group, every rank here exited 75) is a change of membership, as
+    torchrun counts it: a healthy node that hears of ten preemptions over a week must not spend ten restarts."""
+    p = RestartPolicy(RestartConfig(max_restarts=1, backoff_s=1, crash_loop_attempts=3))
+    for _ in range(5):
+        d = p.decide(outcome(api.PREEMPTED), progressed=True, newest_valid=40, older_valid=20)
+        assert d.relaunch and not d.counts_as_restart and d.wait_s == 1, d
+        assert "not counted (0/1 restarts used)" in d.message, d.message
+    assert p.restarts == 0
+    assert p.decide(outcome(), progressed=True, newest_valid=60, older_valid=40).message.startswith("restart 1/1")
+    # Stops that keep coming before any new checkpoint are still a crash loop.
+    assert p.decide(outcome(api.PREEMPTED), progressed=False, newest_valid=60, older_valid=40).relaunch
+    assert p.decide(outcome(api.PREEMPTED), progressed=False, newest_valid=60, older_valid=40).relaunch
+    d = p.decide(outcome(api.PREEMPTED), progressed=False, newest_valid=60, older_valid=40)
+    assert not d.relaunch and "crash loop: 3 consecutive attempts" in d.message, d.message
+
+
 def test_policy_rendezvous_failures_retry_without_spending_the_budget():
     p = RestartPolicy(RestartConfig(max_restarts=1, backoff_s=5), rendezvous_s=30)
     rdzv = api.AttemptOutcome(api.RENDEZVOUS, "store closed")
