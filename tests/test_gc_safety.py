@@ -232,10 +232,10 @@ def test_gc_of_a_live_run_spares_the_step_its_supervisor_handed_over_for_a_rollb
     assert r.exit_code == 0 and [x["step"] for x in json.loads(r.stdout)["removed"]] == [50], r.output
 
 
-def test_saving_a_step_again_sets_an_unreadable_folder_of_that_step_aside_instead_of_deleting_it(tmp_path,
+def test_saving_a_step_again_sets_an_unreadable_folder_of_that_step_aside_instead_of_deleting_it(tmp_path, cli,
                                                                                                 monkeypatch):
     """A rerun that saved step 200 again replaced an unreadable step_200 (whose bytes nobody could judge, and which
-    gc promises never to delete) without a word."""
+    gc promises never to delete) without a word. status lists the folder set aside, as it lists the supervisor's."""
     root = tmp_path / "ckpt"
     old = write_checkpoint(root, 200)
     marker = old / store.MARKER
@@ -249,3 +249,10 @@ def test_saving_a_step_again_sets_an_unreadable_folder_of_that_step_aside_instea
     aside = root / (store.step_dirname(200) + store.QUARANTINE_SUFFIX)
     assert json.loads((aside / store.MARKER).read_bytes())["checksum_algorithm"] == "crc32c"
     assert "unreadable step_000000200" in store.quarantine_reason(aside)
+    state.write(tmp_path / "state.json", state.RunRecord(name="x", run_dir=".", checkpoint_dir="ckpt",
+                                                         state=state.RunState.SUCCEEDED, last_checkpoint_step=200))
+    r = cli("status", tmp_path, "--json")
+    assert r.exit_code == 0, r.output
+    assert [(q["step"], q["path"]) for q in json.loads(r.stdout)["quarantined"]] == [(200, aside.name)], r.stdout
+    r = cli("status", tmp_path)
+    assert f"set aside step 200 as {aside.name}: an unreadable step_000000200" in r.stdout, r.stdout

@@ -100,6 +100,7 @@ class StatusResult:
         )
         if (gone := self.recorded_checkpoint_gone()) is not None:
             d["last_checkpoint_problem"] = gone
+        d["quarantined"] = self.quarantined()
         if len(self.nodes) > 1 or rec.node is not None:
             d["nodes"] = [{"node": n.record.node, "state": n.effective_state.value,
                            "supervisor_alive": n.supervisor_alive, "attempt": n.record.attempt,
@@ -123,6 +124,19 @@ class StatusResult:
         """Recorded relative to the run dir: resolved against where the run dir is now."""
         return layout.resolved(self.primary.record.checkpoint_dir, self.run_dir,
                                what=f"{self.run_dir}'s state file (checkpoint_dir)")
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        """Checkpoints set aside: those the supervisor records, then folders in the root it did not set aside
+        itself (a rank that saved a step again set an unreadable folder of that step aside)."""
+        listed = list(self.primary.record.quarantined)
+        names = {q.get("path") for q in listed}
+        try:
+            found = [p for p in store.checkpoint_dirs(self.checkpoint_root, quarantined=True)
+                     if store.QUARANTINE_RE.match(p.name) and p.name not in names]
+        except OSError:  # a root not mounted here: recorded_checkpoint_gone says so
+            return listed
+        return listed + [{"step": int(p.name[5:14]), "path": p.name, "reason": store.quarantine_reason(p)}
+                         for p in found]
 
     def recorded_checkpoint_gone(self) -> str | None:
         """Why the recorded last checkpoint is not valid on disk now (deleted, damaged since), with the newest
@@ -173,7 +187,7 @@ class StatusResult:
                               + (f" ({current.resumed_why})" if current.resumed_why else "")))
         for n in self.current:
             parts.extend(replication_lines(n, self.now, named=len(self.nodes) > 1))
-        for q in rec.quarantined:  # set aside by the supervisor: the user should know, and may delete them
+        for q in self.quarantined():  # set aside: the user should know, and may delete them
             parts.append(Text(f"set aside step {q.get('step')} as {q.get('path')}: {q.get('reason')}", style="yellow"))
         if rec.message and p.effective_state in (RunState.FAILED, RunState.STOPPED):
             parts.append(Text(rec.message, style="red" if p.effective_state is RunState.FAILED else "yellow"))
