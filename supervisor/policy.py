@@ -9,7 +9,8 @@
   bounds stops that keep coming before any new checkpoint;
 - backoff doubles per consecutive failure without progress, up to `max_backoff_s`;
 - a launch that failed in the rendezvous before any rank ran (a store that closed or vanished while the
-  nodes relaunch) is retried after a short wait without spending the budget, for up to `rendezvous_s`;
+  nodes relaunch) is retried after a short wait without spending the budget, until `rendezvous_s` has passed
+  since the first such launch began (its own wait in torchrun's rendezvous counts);
 - a checkpoint the ranks could not load is set aside (quarantined) and the run falls back to the next older
   valid one when a full check finds it corrupt, or when it checks whole yet fails to load twice; the latter
   once per run, since every checkpoint failing to load says the code or model changed, not the files. The
@@ -48,14 +49,22 @@ class RestartPolicy:
     load_failures: dict[int, int] = field(default_factory=dict)  # checkpoint step -> failed loads
     unloadable: list[int] = field(default_factory=list)  # whole checkpoints passed over: they failed to load twice
 
-    def decide_rendezvous(self, outcome: AttemptOutcome, now: float) -> Decision:
-        """A launch that never got its ranks started: retry soon, bounded in time, not counted."""
+    def decide_rendezvous(self, outcome: AttemptOutcome, now: float, began: float | None = None) -> Decision:
+        """A launch that never got its ranks started: retry soon, bounded in time, not counted.
+
+        Args:
+            outcome: how the launch ended.
+            now: the time of the decision.
+            began: when the launch that failed began (default `now`). The first of a run of such failures starts
+                the window: a torchrun that waited out `join_timeout` for a node that never came has used it up,
+                so the others are held about `join_timeout`, not twice that.
+        """
         if self.rendezvous_since is None:
-            self.rendezvous_since = now
+            self.rendezvous_since = now if began is None else min(began, now)
         waited = now - self.rendezvous_since
         if waited > self.rendezvous_s:
-            return self._stop(f"the group could not be formed, retried for {waited:.0f}s after the first failure: "
-                              f"{outcome.detail}")
+            return self._stop(f"the group could not be formed in {waited:.0f}s since the first launch that failed "
+                              f"(join_timeout {self.rendezvous_s:.0f}s): {outcome.detail}")
         wait = min(2.0, self.cfg.max_backoff_s)
         return Decision(True, wait_s=wait, counts_as_restart=False,
                         message=f"rendezvous retry in {wait:.1f}s ({waited:.0f}s of {self.rendezvous_s:.0f}s)")

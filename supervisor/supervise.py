@@ -83,6 +83,7 @@ class Supervisor:
         self.clock = clock
         self.policy = RestartPolicy(cfg.restart, rendezvous_s=float(cfg.rdzv.conf.get("join_timeout", 600)))
         self._stop_signal: int | None = None
+        self._launched_at: float | None = None  # when the current attempt began (self.clock())
         self._wake = threading.Event()
         self._blocking: dict[int, float] = {}
         self._announced: set[tuple[int, int]] = set()  # (attempt, step): a rollback's attempt commits a step again
@@ -288,6 +289,7 @@ class Supervisor:
         rec = self._begin_attempt(spec, choice)
         attempt = Attempt(self.cfg, spec, self._handover(spec), self.launcher, self.console, rec, self.record,
                           listener=self, clock=self.clock)
+        self._launched_at = self.clock()
         outcome = attempt.run()
         self._end_attempt(rec, outcome)
         return outcome
@@ -434,7 +436,7 @@ class Supervisor:
     def _decide(self, outcome: AttemptOutcome, choice: ResumeChoice) -> Decision:
         self._next_generation(outcome)
         if outcome.reason == api.RENDEZVOUS:
-            return self.policy.decide_rendezvous(outcome, self.clock())
+            return self.policy.decide_rendezvous(outcome, self.clock(), began=self._launched_at)
         root = self.cfg.checkpoint.dir
         # A checkpoint passed over (it failed to load) is no progress: counted as such, the crash-loop rule slept.
         newest = store.latest_valid(root, below=self._suspect[0] if self._suspect is not None else None)

@@ -41,7 +41,7 @@ def test_a_free_port_and_a_remote_endpoint_say_so():
 def test_a_foreign_program_on_the_rendezvous_port_is_named_not_taken_for_a_hang(tmp_path, held_port):
     run_dir = tmp_path / "run"
     argv = resilient("run", JOB, "--run-dir", run_dir, "--node", "a", "--set", "nnodes=1:2",
-                     "--set", f"rdzv.endpoint=127.0.0.1:{held_port}", "--set", "rdzv.conf.join_timeout=4",
+                     "--set", f"rdzv.endpoint=127.0.0.1:{held_port}", "--set", "rdzv.conf.join_timeout=10",
                      "--set", "heartbeat.startup_timeout_s=3s")
     proc = Proc(argv, tmp_path)
     try:
@@ -49,7 +49,7 @@ def test_a_foreign_program_on_the_rendezvous_port_is_named_not_taken_for_a_hang(
         out = proc.output()
         assert rc == 1, out
         assert f"held by pid {os.getpid()}" in out and "hang" not in out, out
-        assert "resilient stopped the run: the group could not be formed, retried for" in out, out
+        assert "resilient stopped the run: the group could not be formed in" in out, out
         node = run_dir / "nodes" / "a"
         st = status(node)
         reasons = {a["reason"] for a in st["history"]}

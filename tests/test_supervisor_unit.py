@@ -218,6 +218,21 @@ def test_policy_rendezvous_failures_retry_without_spending_the_budget():
     assert p.rendezvous_since is None and p.decide_rendezvous(rdzv, 100.0).relaunch
 
 
+def test_policy_a_launch_that_waited_out_the_join_timeout_has_used_the_rendezvous_window():
+    """A node that never arrives: the first torchrun waits join_timeout in its rendezvous and fails. The window
+    began at that launch, so the others give up after about join_timeout (a reviewer's Slurm job: 60 s held the
+    survivor about 2 minutes when the window began at the failure)."""
+    rdzv = api.AttemptOutcome(api.RENDEZVOUS, "RendezvousTimeoutError")
+    p = RestartPolicy(RestartConfig(), rendezvous_s=60)
+    d = p.decide_rendezvous(rdzv, 1061.0, began=1000.0)
+    assert not d.relaunch and "formed in 61s since the first launch that failed (join_timeout 60s)" in d.message, \
+        d.message
+    p = RestartPolicy(RestartConfig(), rendezvous_s=60)  # a store that vanished fails fast: retried within the window
+    assert p.decide_rendezvous(rdzv, 1002.0, began=1000.0).relaunch
+    assert p.decide_rendezvous(rdzv, 1050.0, began=1045.0).relaunch
+    assert not p.decide_rendezvous(rdzv, 1062.0, began=1055.0).relaunch  # counted from the first launch, at 1000
+
+
 def test_policy_nan_rolls_back_once_and_config_stops_at_once():
     p = RestartPolicy(RestartConfig(backoff_s=0))
     d = p.decide(outcome(api.NAN), progressed=True, newest_valid=40, older_valid=20)
