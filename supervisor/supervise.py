@@ -436,7 +436,10 @@ class Supervisor:
     def _decide(self, outcome: AttemptOutcome, choice: ResumeChoice) -> Decision:
         self._next_generation(outcome)
         if outcome.reason == api.RENDEZVOUS:
-            return self.policy.decide_rendezvous(outcome, self.clock(), began=self._launched_at)
+            # No rank ever beat: the attempt was all torchrun's wait in the rendezvous, and that wait counts. One
+            # whose ranks began (loading a large checkpoint, say) before the store went: the window starts now.
+            began = self._launched_at if self.record.history[-1].world_size is None else None
+            return self.policy.decide_rendezvous(outcome, self.clock(), began=began)
         root = self.cfg.checkpoint.dir
         # A checkpoint passed over (it failed to load) is no progress: counted as such, the crash-loop rule slept.
         newest = store.latest_valid(root, below=self._suspect[0] if self._suspect is not None else None)

@@ -475,6 +475,36 @@ def test_multinode_argv_uses_the_rendezvous(tmp_path):
     assert pinned[15:17] == ["--local-addr", "127.0.0.2"] and pinned[17:19] == ["--max-restarts", "7"]
 
 
+def test_the_rendezvous_window_counts_a_launch_that_only_waited_not_one_whose_ranks_began(tmp_path, cli,
+                                                                                           monkeypatch):
+    """Attempt 1's ranks were loading when the store went (RendezvousClosedError): the time they spent is not the
+    rendezvous's, and the window starts at that failure. Attempt 2 waited out join_timeout in the rendezvous and
+    started no rank: that wait counts, and the run stops without a third launch."""
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\nnnodes: 2\n"
+                   "rdzv: {endpoint: '127.0.0.1:1', conf: {join_timeout: 1}}\n"
+                   "restart: {backoff_s: 0, max_backoff_s: 0.1}\n")
+    launches = []
+
+    def launcher(cfg, spec, handover):
+        launches.append(spec.attempt)
+        if spec.attempt == 1:
+            write_heartbeat(spec.heartbeat_dir, Heartbeat(rank=0, pid=2**22 - 2, world_size=2, phase="load"))
+        time.sleep(1.2)  # the attempt's time in torchrun: loading (1), or the rendezvous's join_timeout (2)
+        h = FakeHandle(spec.logs_dir / "torchrun.log", rc=1)
+        error = "RendezvousClosedError" if spec.attempt == 1 else "RendezvousTimeoutError"
+        h.log_path.write_text(f"torch.distributed.elastic.rendezvous.api.{error}\n")
+        return h
+
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launcher)
+    result = cli("run", job, "--node", "a")
+    assert result.exit_code == 1 and launches == [1, 2], (launches, result.stderr)
+    assert re.search(r"could not be formed in \d+s since the first launch that failed \(join_timeout 1s\)",
+                     result.stderr), result.stderr
+    doc = json.loads((tmp_path / "runs/demo/nodes/a/state.json").read_text())
+    assert [h["reason"] for h in doc["history"]] == ["rendezvous"] * 2 and doc["restarts"] == 0, doc["history"]
+
+
 def test_failing_attempts_spend_the_budget_and_exit_1(tmp_path, cli, monkeypatch):
     job = tmp_path / "job.yaml"
     job.write_text("name: demo\nentrypoint: {module: train_entry}\nrestart: {max_restarts: 2, backoff_s: 0, "
