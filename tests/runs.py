@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from supervisor.protocol import Heartbeat, write_heartbeat
+from supervisor.protocol import ENV_RUN_DIR, Heartbeat, write_heartbeat
 from tests.ckpt_helpers import write_checkpoint
 from tests.proc import REPO, child_env
 
@@ -73,12 +73,22 @@ def torchrun_of(run_dir: Path) -> psutil.Process | None:
             parent = rank.parent()
             if parent is not None and "supervisor.prewarm" in " ".join(parent.cmdline()) and \
                     "prewarm_client" not in " ".join(parent.cmdline()):
+                # This run's clients only: another test's run may have its own beside it (the suite runs two at
+                # a time), and its torchrun is not ours to kill.
                 for p in psutil.process_iter(["cmdline"]):
-                    if "supervisor.prewarm_client" in " ".join(p.info["cmdline"] or []) and p.ppid() != parent.pid:
-                        return p.parent()
+                    with contextlib.suppress(psutil.Error):
+                        if "supervisor.prewarm_client" in " ".join(p.info["cmdline"] or []) and \
+                                p.ppid() != parent.pid and of_run(p, run_dir):
+                            return p.parent()
                 return None
             return parent
     return None
+
+
+def of_run(proc: psutil.Process, run_dir: Path) -> bool:
+    """The process was started for `run_dir`'s attempt (the supervisor hands each worker the run dir)."""
+    given = proc.environ().get(ENV_RUN_DIR)
+    return given is not None and Path(given).resolve() == Path(run_dir).resolve()
 
 
 class FakeHandle:
