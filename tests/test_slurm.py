@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,15 +52,25 @@ def slurm() -> None:
 
 @pytest.fixture(scope="module")
 def two_local_nodes(slurm) -> list[tuple[str, str]]:
-    """Two idle Slurm nodes on this very host (so they share tmp_path), as [(name, address)]; else skip."""
-    out = subprocess.run(["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"], capture_output=True, text=True, timeout=15)
+    """Two idle Slurm nodes on this very host (so they share tmp_path), as [(name, address)]; else skip. A node the
+    previous test's job left still completing (its epilog, slower on a loaded machine) is waited for, 60 s."""
     here = {socket.gethostname(), socket.gethostname().split(".")[0]}
-    local = []
-    for name in sorted(set(out.stdout.split())):
-        node = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True, timeout=15).stdout
-        fields = dict(re.findall(r"\b(NodeHostName|NodeAddr)=(\S+)", node))
-        if fields.get("NodeHostName") in here:
-            local.append((name, fields.get("NodeAddr", name)))
+
+    def idle_here() -> list[tuple[str, str]]:
+        out = subprocess.run(["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"], capture_output=True, text=True,
+                             timeout=15)
+        local = []
+        for name in sorted(set(out.stdout.split())):
+            node = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True,
+                                  timeout=15).stdout
+            fields = dict(re.findall(r"\b(NodeHostName|NodeAddr)=(\S+)", node))
+            if fields.get("NodeHostName") in here:
+                local.append((name, fields.get("NodeAddr", name)))
+        return local
+
+    deadline = time.monotonic() + 60
+    while len(local := idle_here()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
     if len(local) < 2:
         pytest.skip(f"needs two idle Slurm nodes on this host (found {[n for n, _ in local]}); "
                     "start them with SLURM_NODES=2 .ci/setup-slurm.sh")
