@@ -10,8 +10,8 @@
 - backoff doubles per consecutive failure without progress, up to `max_backoff_s`;
 - a launch that failed in the rendezvous before any rank ran (a store that closed or vanished while the
   nodes relaunch) is retried after a short wait without spending the budget, until `rendezvous_s` has passed
-  since the first such launch began (the supervisor passes when: the launch, where no rank of it ever started,
-  since all its time was torchrun's wait in the rendezvous; otherwise the failure);
+  since the first such launch began (its `began`: the launch itself where no rank of it ever started, all its
+  time being torchrun's wait in the rendezvous; otherwise its failure);
 - a checkpoint the ranks could not load is set aside (quarantined) and the run falls back to the next older
   valid one when a full check finds it corrupt, or when it checks whole yet fails to load twice; the latter
   once per run, since every checkpoint failing to load says the code or model changed, not the files. The
