@@ -78,6 +78,7 @@ class AttemptRecord:
     lost_steps: int | None = None  # steps of this attempt the next one re-executed
     resumed_tier: str | None = None  # "local" or "durable" (with a local tier), and why, in the ranks' words
     resumed_why: str | None = None
+    offered_local_step: int | None = None  # the local tier's step offered beside resumed_from_step (a local tier)
     regroups: list[dict] | None = None  # torchrun re-formed the group in place (a node joined): when, how big
 
     def to_dict(self) -> dict[str, Any]:

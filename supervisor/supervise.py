@@ -311,6 +311,7 @@ class Supervisor:
         self.console.event(f"attempt {spec.attempt}: launching {self.cfg.nnodes}×{self.cfg.nproc_per_node} ranks, "
                            f"{start}; logs in {spec.logs_dir}")
         rec = AttemptRecord(attempt=spec.attempt, started_at=time.time(), resumed_from_step=choice.step,
+                            offered_local_step=self._local_step,
                             log_dir=recorded(spec.logs_dir, self.cfg.run_dir),
                             skipped=[f"{n}: {w}" for n, w in choice.skipped] or None)
         self.accounting.launch(spec.attempt, rec.started_at, choice.step)

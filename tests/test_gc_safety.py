@@ -232,6 +232,31 @@ def test_gc_of_a_live_run_spares_the_step_its_supervisor_handed_over_for_a_rollb
     assert r.exit_code == 0 and [x["step"] for x in json.loads(r.stdout)["removed"]] == [50], r.output
 
 
+def test_gc_of_a_live_run_spares_the_local_step_its_supervisor_offered_for_a_rollback(tmp_path, cli):
+    """With a local tier the ranks are offered the local tier's step beside the durable one. The durable tier kept
+    only 100 (`keep: 1`); a rollback below 100 offered local step 50, which the durable tier no longer has:
+    `gc --keep-local 1` deleted it before the ranks read it."""
+    from supervisor.lock import RunLock
+
+    nvme = tmp_path / "nvme"
+    write_checkpoint(tmp_path / "checkpoints", 100)
+    for step in (50, 100):
+        write_checkpoint(nvme, step)
+    rec = state.RunRecord(name="x", run_dir=".", checkpoint_dir="checkpoints", node="a",
+                          state=state.RunState.RUNNING, attempt=2, replication={"local_root": str(nvme)})
+    rec.history += [state.AttemptRecord(attempt=1, started_at=1.0, resumed_from_step=None, ended_at=2.0,
+                                        reason="nan"),
+                    state.AttemptRecord(attempt=2, started_at=3.0, resumed_from_step=None, offered_local_step=50)]
+    state.write(tmp_path / "state.json", rec)
+    with RunLock(tmp_path):
+        r = cli("gc", tmp_path, "--keep", "1", "--keep-local", "1", "--json")
+        assert r.exit_code == 0 and json.loads(r.stdout)["local_tiers"][0]["removed"] == [], r.output
+        assert store.inspect(nvme / store.step_dirname(50)).valid
+    r = cli("gc", tmp_path, "--keep", "1", "--keep-local", "1", "--json")  # nobody loads it any more
+    assert r.exit_code == 0 and [x["step"] for x in json.loads(r.stdout)["local_tiers"][0]["removed"]] == [50], \
+        r.output
+
+
 def test_saving_a_step_again_sets_an_unreadable_folder_of_that_step_aside_instead_of_deleting_it(tmp_path, cli,
                                                                                                 monkeypatch):
     """A rerun that saved step 200 again replaced an unreadable step_200 (whose bytes nobody could judge, and which

@@ -103,6 +103,7 @@ def test_the_local_tier_is_replicated_through_a_supervisor_kill_and_a_bad_local_
     history = status(run_dir)["history"]
     assert [(h["resumed_from_step"], h["resumed_tier"]) for h in history[-2:-1]] == [(80, "durable")]
     assert "older than the durable step 80" in history[-2]["resumed_why"]
+    assert history[-2]["offered_local_step"] == 60  # offered beside durable 80: gc spares it while the ranks load
     resumed = history[-1]["resumed_from_step"]
     assert resumed in (100, 120, 140) and history[-1]["resumed_tier"] == "local", history[-1]
     assert history[-1]["resumed_why"] == f"every node holds step {resumed} whole"

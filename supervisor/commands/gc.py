@@ -91,13 +91,13 @@ def owner_alive(run_dir: Path | None) -> bool:
 
 
 def handed_over(run_dir: Path | None) -> set[int]:
-    """The steps the live supervisors of the run have handed their current attempts' ranks to load: a rollback's
-    older step, which the ranks may not have read yet (deleting it made them start afresh)."""
+    """The steps the live supervisors of the run have handed their current attempts' ranks to load, from either
+    tier: a rollback's older step, which the ranks may not have read yet (deleting it made them start afresh)."""
     steps = set()
     for n in state.read_nodes(layout.state_files(run_dir) if run_dir is not None else []):
         last = n.record.history[-1] if n.alive and n.record is not None and n.record.history else None
-        if last is not None and last.ended_at is None and last.resumed_from_step is not None:
-            steps.add(last.resumed_from_step)
+        if last is not None and last.ended_at is None:
+            steps.update(s for s in (last.resumed_from_step, last.offered_local_step) if s is not None)
     return steps
 
 
