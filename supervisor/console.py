@@ -35,15 +35,14 @@ class EventConsole:
     @contextlib.contextmanager
     def library_warnings(self) -> Iterator[None]:
         """The library's warnings (the "resilient" logger: the replicator, the prewarm client) as events, stamped
-        like every other line; without this, Python's last-resort handler printed them bare."""
+        like every other line; without this, Python's last-resort handler printed them bare. The records still
+        propagate: a caller's own logging (`resilient run` called in-process) gets them as it configured."""
         logger, handler = logging.getLogger("resilient"), _AsEvents(self)
         logger.addHandler(handler)
-        propagate, logger.propagate = logger.propagate, False  # a caller's own root handler would print it twice
         try:
             yield
         finally:
             logger.removeHandler(handler)
-            logger.propagate = propagate
 
     def paragraph(self, text: str, style: str | None = "red") -> None:
         self._print((text, style, False, "\n"))

@@ -903,12 +903,23 @@ def test_the_librarys_warnings_reach_the_console_stamped_like_its_other_lines(ca
 
     from supervisor.console import EventConsole
 
-    log = logging.getLogger("resilient")
-    with EventConsole("job").library_warnings():
-        log.warning("not replicating %s: %s", "step_000000040", "its marker is gone")
-        log.info("a detail nobody asked for")
+    seen: list[str] = []
+
+    class Caller(logging.Handler):  # the caller's own logging, on the root logger: it must see them too
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    log, caller = logging.getLogger("resilient"), Caller(logging.WARNING)
+    logging.getLogger().addHandler(caller)
+    try:
+        with EventConsole("job").library_warnings():
+            log.warning("not replicating %s: %s", "step_000000040", "its marker is gone")
+            log.info("a detail nobody asked for")
+    finally:
+        logging.getLogger().removeHandler(caller)
     err = capsys.readouterr().err
     assert re.fullmatch(r"\d\d:\d\d:\d\d job not replicating step_000000040: its marker is gone\n", err), err
+    assert seen == ["not replicating step_000000040: its marker is gone"]
     assert log.handlers == [] and log.propagate, "the caller's logging is as it was"
 
 
