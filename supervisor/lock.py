@@ -99,9 +99,10 @@ class RootClaim:
     instant are ordered, that no other run's file is held. The kernel drops the locks when a holder dies.
     """
 
-    def __init__(self, root: str | os.PathLike, run_dir: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, run_dir: str | os.PathLike, key: str = "checkpoint.dir"):
         self.root = Path(root)
         self.run_dir = Path(os.path.realpath(run_dir))
+        self.key = key  # the job-file key that names the root, for the sentence when it cannot be made
         self._fd: int | None = None
 
     def _name(self) -> str:
@@ -109,16 +110,25 @@ class RootClaim:
 
         return hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:16] + ".lock"
 
-    def acquire(self) -> RootClaim:
-        """Take the claim or raise RunLockedError naming the other run."""
+    def prepare(self) -> None:
+        """Make the root's owners folder and its claim file, or ConfigError: `resilient run` asks before it takes
+        any lock, so that a root the filesystem refuses leaves nothing behind in the run dir."""
+        os.close(self._open_mutex())
+
+    def _open_mutex(self) -> int:
         owners = self.root / OWNERS_DIR
         try:
             owners.mkdir(parents=True, exist_ok=True)
-            mutex = os.open(owners / "claim.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            return os.open(owners / "claim.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:  # access() said writable, the filesystem says no (/sys, /proc, some FUSE mounts)
             raise ConfigError(f"{self.root}: the checkpoint folder cannot be created or written there "
-                              f"({e.strerror or e}); nothing was launched. Point checkpoint.dir (or "
-                              "checkpoint.local_dir) at a writable folder.") from None
+                              f"({e.strerror or e}); nothing was launched. Point {self.key} at a writable "
+                              "folder.") from None
+
+    def acquire(self) -> RootClaim:
+        """Take the claim or raise RunLockedError naming the other run."""
+        owners = self.root / OWNERS_DIR
+        mutex = self._open_mutex()
         try:
             fcntl.flock(mutex, fcntl.LOCK_EX)
             self.refuse_if_taken()

@@ -231,14 +231,17 @@ def test_config_errors_are_config_errors(tmp_path):
         load_job(write(tmp_path, "name: x\n"))
 
 
-def test_a_checkpoint_root_the_filesystem_refuses_is_one_sentence_and_nothing_is_launched(tmp_path, cli):
-    """/sys passes access() for root and refuses mkdir: the claim on the root once failed in a traceback."""
+@pytest.mark.parametrize("key", ["checkpoint.dir", "checkpoint.local_dir"])
+def test_a_checkpoint_root_the_filesystem_refuses_is_one_sentence_and_nothing_is_launched(tmp_path, cli, key):
+    """/sys passes access() for root and refuses mkdir: the claim on the root once failed in a traceback, and a
+    local tier refused so left the run dir's lock and the durable root's claim behind in a new run dir."""
     if not Path("/sys/kernel").is_dir():
         pytest.skip("no sysfs here")
-    result = cli("run", write(tmp_path, GOOD), "--set", "checkpoint.dir=/sys/resilient-test-ckpt")
+    result = cli("run", write(tmp_path, GOOD), "--set", f"{key}=/sys/resilient-test-ckpt")
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert "/sys/resilient-test-ckpt: " in result.stderr and "nothing was launched" in result.stderr, result.stderr
-    assert not (tmp_path / "runs" / "tiny-gpt" / "state.json").exists()
+    assert f"Point {key} at a writable folder." in result.stderr, result.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_local_tier_that_a_node_name_brings_onto_the_durable_root_is_refused_before_anything_runs(tmp_path, cli):

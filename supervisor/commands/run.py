@@ -199,14 +199,19 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     check_writable(cfg, layout)
     check_same_job(cfg, layout)
     local = cfg.checkpoint.local_root(layout.node_name)
-    for root in (cfg.checkpoint.dir, local):
-        if root is not None:  # another live run's root: refused before a new run dir is made for nothing
-            RootClaim(root, cfg.run_dir).refuse_if_taken()
+    claims = [RootClaim(root, cfg.run_dir, key) for root, key in ((local, "checkpoint.local_dir"),
+                                                                  (cfg.checkpoint.dir, "checkpoint.dir"))
+              if root is not None]
+    for claim in claims:  # another live run's root: refused before a new run dir is made for nothing
+        claim.refuse_if_taken()
+    for claim in claims:  # a root the filesystem refuses (a FUSE mount): before the run dir's lock is made
+        claim.prepare()
     # A single-node job given a node name (--node, RESILIENT_NODE) holds the run dir too: another one there, named
     # or not, would be a second job writing the same checkpoints, not a second node of this one.
     whole_run = RunLock(layout.run_dir) if cfg.nnodes == "1" and layout.node_dir != layout.run_dir else None
-    with whole_run or contextlib.nullcontext(), RunLock(layout.node_dir), RootClaim(cfg.checkpoint.dir, cfg.run_dir), \
-            RootClaim(local, cfg.run_dir) if local is not None else contextlib.nullcontext():
+    with whole_run or contextlib.nullcontext(), RunLock(layout.node_dir), contextlib.ExitStack() as held:
+        for claim in claims:
+            held.enter_context(claim)
         # Several nodes' supervisors often write into one file (a Slurm job's .out): each line names its node.
         console = EventConsole(cfg.name if layout.node is None else f"{cfg.name}@{layout.node}")
         if cfg.nnodes == "1" and cfg.rdzv.endpoint is None and cfg.rdzv.backend != "c10d":
