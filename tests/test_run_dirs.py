@@ -240,6 +240,28 @@ def test_logs_streams_a_big_log_a_chunk_at_a_time(tmp_path, monkeypatch):
     assert "".join(tail.read()) == "[r0] replaced, and longer than what was read before\n"
 
 
+def test_logs_follow_prints_each_line_once_when_a_rank_link_moves(tmp_path):
+    """torchrun re-formed the group in place: `rank_0` moved to the new group's folder. The tail that had followed
+    the link read the new file from its start too, and every line of it came twice."""
+    from supervisor.commands import logs
+
+    attempt = tmp_path / "logs" / "attempt_1"
+    for group in ("g0", "g1"):
+        (attempt / group / "0").mkdir(parents=True)
+    (attempt / "g0" / "0" / "stdout.log").write_text("old 1\n")
+    os.symlink("g0/0", attempt / "rank_0")
+    nl = logs.NodeLogs(tmp_path, 1)
+    nl.discover(None)
+    assert "".join(nl.read()) == "[rank 0 out] old 1\n"
+    with (attempt / "g0" / "0" / "stdout.log").open("a") as f:
+        f.write("old 2\n")  # the old group's last words, written before the link moved
+    (attempt / "g1" / "0" / "stdout.log").write_text("new 1\n")
+    os.symlink("g1/0", attempt / ".rank_0.tmp")
+    os.replace(attempt / ".rank_0.tmp", attempt / "rank_0")
+    nl.discover(None)
+    assert sorted("".join(nl.read(final=True)).splitlines()) == ["[rank 0 out] new 1", "[rank 0 out] old 2"]
+
+
 def test_logs_of_a_big_file_holds_a_chunk_not_the_file(tmp_path):
     import tracemalloc
 

@@ -105,8 +105,10 @@ class NodeLogs:
                 path = folder / f"{stream}.log"
                 real = os.path.realpath(path)
                 # A link out of the attempt's logs (planted, or left by a copy) is never read through.
+                # The file itself is read, not the link: a link moved on (torchrun re-formed the group in place)
+                # would bring the new file under the old tail as well as under its own, printed twice.
                 if real not in self.tails and layout.inside(Path(real), real_logs):
-                    self.tails[real] = Tail(path, f"[rank {r} {stream[3:]}] ")
+                    self.tails[real] = Tail(Path(real), f"[rank {r} {stream[3:]}] ")
 
     def read(self, final: bool = False) -> Iterator[str]:
         for tail in self.tails.values():
