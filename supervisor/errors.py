@@ -38,6 +38,11 @@ class UsageError(ResilientError):
     exit_code = ExitCode.USAGE
 
 
+class NotYetError(UsageError):
+    """The run is not there yet: no such path, no state file, a folder still empty (`status --wait-ranks` waits
+    these out; every other usage error it says at once)."""
+
+
 class ConfigError(UsageError):
     """A job file or `--set` override that does not validate."""
 

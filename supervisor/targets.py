@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import layout, store
-from supervisor.errors import UsageError
+from supervisor.errors import NotYetError, UsageError
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Target:
 
 def nothing_here(path: Path | str) -> UsageError:
     """The one sentence every light command gives for a folder that holds neither a run nor checkpoints."""
-    return UsageError(f"{path}: no run and no checkpoints here (no job.json, state.json or step_* folders); "
+    return NotYetError(f"{path}: no run and no checkpoints here (no job.json, state.json or step_* folders); "
                       "pass a run dir, a job file or a checkpoint root.")
 
 
@@ -83,13 +83,13 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
     given = target or "."
     path = Path(os.path.abspath(os.path.expanduser(given)))
     if not path.exists():
-        raise UsageError(f"{given}: no such file or folder; pass a job file, a run dir or a checkpoint root.")
+        raise NotYetError(f"{given}: no such file or folder; pass a job file, a run dir or a checkpoint root.")
     if path.is_file():
         from supervisor.config import load_job  # only job-file targets pay for YAML validation
 
         job = load_job(path)
         if not layout.looks_like_run_dir(job.run_dir) and not _holds_checkpoints(job.checkpoint.dir):
-            raise UsageError(f"{given}: no run of this job yet (nothing in {job.run_dir}); start it with "
+            raise NotYetError(f"{given}: no run of this job yet (nothing in {job.run_dir}); start it with "
                              f"`resilient run {given}`.")
         return Target(given, job.run_dir, job.checkpoint.dir)
     name = path.name
@@ -159,6 +159,6 @@ def state_files(t: Target) -> list[Path]:
     """The run's state files (every node's); the "no run here" usage error when there is none."""
     files = layout.state_files(t.run_dir) if t.run_dir is not None else []
     if not files:
-        raise UsageError(f"{t.run_dir or t.checkpoint_root}: no run here (no state file); start one with "
+        raise NotYetError(f"{t.run_dir or t.checkpoint_root}: no run here (no state file); start one with "
                          "`resilient run JOB.yaml`.")
     return files

@@ -316,6 +316,17 @@ def test_status_wait_ranks_waits_for_training_ranks(tmp_path, cli, monkeypatch):
     assert r.exit_code == 1 and "the run has ended (stopped)" in r.stderr
 
 
+def test_status_wait_ranks_says_a_bad_job_file_at_once(tmp_path, cli):
+    """A job file with a typo waited out the whole timeout (300 s by default), then said that no ranks trained,
+    exit 1: the job file's own sentence (exit 2) comes at once, as without --wait-ranks."""
+    job = tmp_path / "job.yaml"
+    job.write_text((REPO / "jobs" / "tiny-cpu.yaml").read_text() + "bogus: 1\n")
+    started = time.monotonic()
+    r = cli("status", job, "--wait-ranks", "--wait-timeout", "30")
+    assert r.exit_code == 2 and 'unknown key "bogus"' in r.stderr and "job.yaml:" in r.stderr, r.output
+    assert time.monotonic() - started < 10
+
+
 def test_piped_output_is_not_wrapped_at_80_columns(finished_run, tmp_path):
     run_dir = finished_run()
     env = {k: v for k, v in child_env().items() if k != "COLUMNS"}

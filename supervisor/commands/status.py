@@ -16,7 +16,7 @@ from rich.text import Text
 
 from supervisor import layout, protocol, render, state, store, targets, timeline
 from supervisor.console import go_quiet
-from supervisor.errors import ExitCode, ResilientError, UsageError
+from supervisor.errors import ExitCode, NotYetError, ResilientError, UsageError
 from supervisor.replicate import ReplicationState
 from supervisor.state import RunRecord, RunState
 
@@ -362,7 +362,7 @@ def wait_for_ranks(target: str | None, timeout_s: float, poll_s: float = 0.2) ->
     while True:
         try:
             result = collect(target)
-        except UsageError:  # not created yet, or no state file yet
+        except NotYetError:  # not created yet, or no state file yet (a bad job file is said at once)
             result = None
         if result is not None and result.ranks_ready():
             return result
