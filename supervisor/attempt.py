@@ -441,7 +441,7 @@ def rank_stderr_paths(spec: AttemptSpec, heartbeats: dict[int, Heartbeat]) -> di
 
 def local_stderr_paths(spec: AttemptSpec) -> dict[int, Path]:
     """Each local rank's stderr log, from torchrun's per-rank folders."""
-    return {int(p.parent.name): p for p in (spec.logs_dir / "ranks").glob("*/attempt_*/*/stderr.log")
+    return {int(p.parent.name): p for p in (spec.logs_dir / ranklogs.RANKS_DIR).glob("*/attempt_*/*/stderr.log")
             if p.parent.name.isdigit()}
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from supervisor import prewarm
+from supervisor import prewarm, ranklogs
 from supervisor.api import AttemptSpec
 from supervisor.config import JobConfig
 from supervisor.prewarm import TORCHRUN as TORCHRUN_MODULE
@@ -61,7 +61,7 @@ def torchrun_argv(cfg: JobConfig, spec: AttemptSpec, *, python: str = sys.execut
             argv += ["--local-addr", cfg.rdzv.local_addr]
     argv += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
              "--shutdown-timeout", str(int(cfg.stop_timeout_s)),
-             "--log-dir", str(spec.logs_dir / "ranks"), "--redirects", "3"]
+             "--log-dir", str(spec.logs_dir / ranklogs.RANKS_DIR), "--redirects", "3"]
     entry = ["-m", cfg.entrypoint.module] if cfg.entrypoint.module else [str(cfg.entrypoint.script)]
     entry += list(cfg.entrypoint.args)
     if prewarmed:

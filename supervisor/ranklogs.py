@@ -20,6 +20,7 @@ from supervisor.protocol import Heartbeat
 
 LINK_RE = re.compile(r"^rank_(\d+)$")
 STREAMS = ("stdout", "stderr")
+RANKS_DIR = "ranks"  # torchrun's --log-dir inside an attempt's logs
 
 
 def link_name(rank: int) -> str:
@@ -34,7 +35,7 @@ def _single_node(logs_dir: Path) -> bool:
 def torchrun_folders(logs_dir: Path) -> dict[int, Path]:
     """Local rank → torchrun's newest folder for it (the highest `attempt_<n>` of its in-place restarts)."""
     best: dict[int, tuple[int, float, Path]] = {}
-    for d in (logs_dir / "ranks").glob("*/attempt_*/*"):
+    for d in (logs_dir / RANKS_DIR).glob("*/attempt_*/*"):
         try:
             local, n = int(d.name), int(d.parent.name.removeprefix("attempt_"))
             key = (n, d.stat().st_mtime, d)

@@ -86,6 +86,28 @@ def test_a_checkpoint_root_that_cannot_be_read_is_one_sentence(shared_dir):
     root.chmod(0o755)
 
 
+@pytest.mark.parametrize("shut", ["file", "folder"])
+def test_logs_says_a_rank_log_it_cannot_read_instead_of_passing_it_over(shared_dir, shut):
+    """Another user's run dir whose rank logs are 0600 (umask 077): `logs` printed the other streams, or nothing,
+    and exited 0, as if the rank had printed nothing."""
+    rec = state.RunRecord(name="x", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.SUCCEEDED)
+    rec.history.append(state.AttemptRecord(attempt=1, started_at=1.0, resumed_from_step=None, ended_at=2.0,
+                                           reason="finished"))
+    state.write(shared_dir / "state.json", rec)
+    folder = shared_dir / "logs" / "attempt_1" / "ranks" / "job_x" / "attempt_0" / "0"
+    folder.mkdir(parents=True)
+    (folder / "stdout.log").write_text("step 1\n")
+    (folder / "stderr.log").write_text("warning\n")
+    _open_to_all(shared_dir)
+    r = _unprivileged("logs", shared_dir)
+    assert r.returncode == 0 and r.stdout == "[rank 0 out] step 1\n[rank 0 err] warning\n", r
+    shut_out = folder / "stdout.log" if shut == "file" else folder.parent.parent
+    shut_out.chmod(0o600 if shut == "file" else 0o700)
+    r = _unprivileged("logs", shared_dir)
+    assert r.returncode == 2 and r.stderr.startswith(f"resilient: {shut_out}: cannot be read (Permission denied)"), r
+    assert "Traceback" not in r.stderr
+
+
 def test_a_marker_whose_checksum_package_is_missing_is_unreadable_and_kept(tmp_path, cli, monkeypatch):
     root = tmp_path / "ckpt"
     for step in (1, 2, 3):

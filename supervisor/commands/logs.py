@@ -7,6 +7,7 @@ to each new attempt (unless `--attempt` pins one) until the run is over; headers
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
@@ -22,6 +23,7 @@ from supervisor.protocol import pid_alive, read_heartbeats
 
 POLL_S = 0.2
 CHUNK = 1 << 20  # bytes read at a time
+SKIPPED = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EINVAL, errno.ELOOP})  # not yet there; a FIFO, a link
 ORPHAN_BEAT_S = 60.0  # a rank that beat this recently, still alive, may still write (a kill -9'd supervisor's)
 
 
@@ -40,7 +42,9 @@ class Tail:
     def read(self, final: bool = False) -> Iterator[str]:
         try:
             f = os.fdopen(open_regular(self.path), "rb")  # a FIFO would hang the reader
-        except OSError:
+        except OSError as e:
+            if e.errno not in SKIPPED:  # a file this user may not read is said (exit 2), not passed over in silence
+                raise
             f = None
         if f is not None:
             with f:
@@ -97,6 +101,7 @@ class NodeLogs:
         return self.node_dir / "logs" / f"attempt_{self.attempt}"
 
     def discover(self, rank: int | None) -> None:
+        _listable(self.logs_dir)
         real_logs = Path(os.path.realpath(self.logs_dir))
         for r, folder in ranklogs.rank_folders(self.logs_dir).items():
             if rank is not None and r != rank:
@@ -113,6 +118,20 @@ class NodeLogs:
     def read(self, final: bool = False) -> Iterator[str]:
         for tail in self.tails.values():
             yield from tail.read(final)
+
+
+def _listable(logs_dir: Path) -> None:
+    """The attempt's folders that hold the ranks' files can be listed, or the OSError that says why not: where
+    they cannot (another user's run dir, mode 700), the ranks were passed over as if they had printed nothing."""
+    folders = [logs_dir, logs_dir / ranklogs.RANKS_DIR]
+    while folders:
+        folder = folders.pop()
+        try:
+            with os.scandir(folder) as entries:
+                depth = len(folder.relative_to(logs_dir).parts)
+                folders += [Path(e.path) for e in entries if 1 <= depth <= 2 and e.is_dir(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
 
 
 def _write(chunks: Iterable[str]) -> None:
