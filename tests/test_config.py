@@ -253,6 +253,7 @@ def test_a_local_tier_that_a_node_name_brings_onto_the_durable_root_is_refused_b
     result = cli("run", write(tmp_path, GOOD), *sets, "--node", "n1")
     assert result.exit_code == 2 and "not apart from checkpoint.dir" in result.stderr, result.output
     assert "on node 'n1'" in result.stderr and "Traceback" not in result.output
+    assert result.stderr.startswith(f"resilient: --set checkpoint.local_dir={shared}/{{node}}: "), result.stderr
     assert not shared.exists() and not (tmp_path / "runs").exists()
 
 

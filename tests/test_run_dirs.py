@@ -18,7 +18,7 @@ import pytest
 from supervisor import state, store
 from supervisor.lock import RunLock
 from tests.ckpt_helpers import write_checkpoint
-from tests.proc import REPO, child_env, readonly, started
+from tests.proc import REPO, child_env, readonly, started, wait_for
 from tests.runs import RUN_TIMEOUT, finished_attempt, resilient, run_job, status
 
 JOB = "name: demo\nentrypoint:\n  module: train_entry\nnproc_per_node: 2\ncheckpoint: {keep: 3}\n"
@@ -426,11 +426,13 @@ def test_recovery_exercise_rank_logs_and_a_moved_run_dir_that_resumes(tmp_path, 
     run_dir = tmp_path / "runs" / "recover"
     # As the README has it: the PID is asked for in another shell, before the run dir even exists.
     with started(resilient("status", run_dir, "--wait-ranks", "--json"), tmp_path, log=tmp_path / "wait.log") as w, \
-            started(run_job(run_dir, steps=60, sleep=0.05), tmp_path, log=tmp_path / "sup1.log") as sup:
+            started(run_job(run_dir, steps=60, sleep=0.1), tmp_path, log=tmp_path / "sup1.log") as sup:
         assert w.wait(120) == 0, w.output()
         ranks = json.loads(w.output())["ranks"]
         assert [(r["rank"], r["alive"], r["phase"]) for r in ranks] == [(0, True, "train"), (1, True, "train")]
         with started(resilient("logs", run_dir, "--follow"), tmp_path, log=tmp_path / "follow.log") as follow:
+            # following attempt 1 before the kill: under load its start took longer than the relaunch
+            wait_for(lambda: "==> attempt 1: " in follow.output(), 60, "logs --follow on attempt 1")
             os.kill(ranks[1]["pid"], signal.SIGKILL)
             assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
             assert follow.wait(30) == 0, "--follow ends with the run"

@@ -62,10 +62,17 @@ def check_entrypoint(cfg: JobConfig) -> None:
                           f"{sys.executable}; install it or fix the name.")
 
 
-def check_writable(cfg: JobConfig, layout: RunLayout) -> None:
+def local_tier(cfg: JobConfig, layout: RunLayout) -> Path | None:
+    """This node's local tier, or the job file's line when this node's name brings it onto checkpoint.dir."""
+    try:
+        return cfg.checkpoint.local_root(layout.node_name)
+    except ConfigError as e:
+        raise ConfigError(f"{cfg.located('checkpoint.local_dir')}: {e.message}") from None
+
+
+def check_writable(cfg: JobConfig, layout: RunLayout, local: Path | None) -> None:
     """A run dir or checkpoint root that cannot be written is a configuration error: one sentence, exit 2,
     before anything is created or launched (a read-only mount stops root too; chmod does not)."""
-    local = cfg.checkpoint.local_root(layout.node_name)
     for folder, what, fix in ((layout.run_dir, "the run dir", "pick another --run-dir"),
                               (layout.node_dir, "the run dir", "pick another --run-dir"),
                               (cfg.checkpoint.dir, "the checkpoint root", "set checkpoint.dir to a writable folder"),
@@ -196,9 +203,9 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     check_cwd()
     check_entrypoint(cfg)
     layout = RunLayout(cfg.run_dir, node_name(cfg, node))
-    check_writable(cfg, layout)
+    local = local_tier(cfg, layout)
+    check_writable(cfg, layout, local)
     check_same_job(cfg, layout)
-    local = cfg.checkpoint.local_root(layout.node_name)
     claims = [RootClaim(root, cfg.run_dir, key) for root, key in ((local, "checkpoint.local_dir"),
                                                                   (cfg.checkpoint.dir, "checkpoint.dir"))
               if root is not None]
