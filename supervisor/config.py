@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import os
 import re
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from supervisor.layout import inside
 NAME_RE = re.compile(r"^(?!\.+$)[A-Za-z0-9._-]{1,100}$")  # a file name (not . or ..) and a rendezvous id
 MAX_DURATION_S = 1e9  # ~32 years, "never" in practice; beyond it what takes a timeout overflows (Event.wait, C++ ms)
 NAME_MAX_BYTES = 255  # one folder or file name, on every Linux filesystem
+PATH_MAX_BYTES = 4096  # a whole path, as Linux takes it
+MAX_NPROC = 4096  # ranks per node: a typo of 80000 for 8 would have torchrun fork them
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HOST_RE = re.compile(r"^[A-Za-z0-9.:_-]{1,253}$")  # a host name, an IPv4 or an IPv6 address
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -221,48 +224,74 @@ class _Loc:
     where: str  # "job.yaml:12" or "--set a.b=c"
 
 
-def _locate(node: yaml.Node, path: str, constructor: yaml.constructor.SafeConstructor) -> _Loc:
+MAX_JOB_BYTES = 16 << 20  # read from a job file at most (a job file is a few KiB)
+MAX_NODES = 100_000  # YAML nodes read from one job file, its aliases expanded (a job file has about a hundred)
+
+
+def _locate(node: yaml.Node, path: str, constructor: yaml.constructor.SafeConstructor, seen: list[int]) -> _Loc:
     where = f"{path}:{node.start_mark.line + 1}"
+    seen[0] += 1
+    if seen[0] > MAX_NODES:  # aliases of aliases ("billion laughs") expand without end in practice
+        raise ConfigError(f"{where}: the job file expands to more than {MAX_NODES} values through its YAML aliases "
+                          "(&name ... *name); write the values out.")
     if isinstance(node, yaml.MappingNode):
         out: dict[str, _Loc] = {}
         for key_node, value_node in node.value:
-            key = constructor.construct_object(key_node, deep=True)
+            key = _construct(key_node, path, constructor)
             key_where = f"{path}:{key_node.start_mark.line + 1}"
             if not isinstance(key, str):
                 raise ConfigError(f"{key_where}: key {key!r} is not a string; quote it or remove it.")
             if key in out:
                 raise ConfigError(f"{key_where}: duplicate key {key!r}; keep only one of them.")
-            loc = _locate(value_node, path, constructor)
+            loc = _locate(value_node, path, constructor, seen)
             if loc.value is None or isinstance(loc.value, (dict, list)):
                 loc.where = key_where  # a section's errors point at its key, not its first child
             out[key] = loc
         return _Loc(out, where)
     if isinstance(node, yaml.SequenceNode):
-        return _Loc([_locate(n, path, constructor) for n in node.value], where)
+        return _Loc([_locate(n, path, constructor, seen) for n in node.value], where)
     # YAML 1.1 reads an unquoted 1:4 as the base-60 integer 64; "MIN:MAX" must stay a string.
     if node.style is None and NNODES_RANGE_RE.match(node.value):
         return _Loc(node.value, where)
-    return _Loc(constructor.construct_object(node, deep=True), where)
+    return _Loc(_construct(node, path, constructor), where)
+
+
+def _construct(node: yaml.Node, path: str, constructor: yaml.constructor.SafeConstructor) -> Any:
+    """One scalar's value. A value YAML recognises and then cannot build (`2024-13-45`, a date; `!!int abc`; an
+    integer of more than 4300 digits) raised from inside the YAML library: one sentence at its line instead."""
+    try:
+        return constructor.construct_object(node, deep=True)
+    except (ValueError, OverflowError, TypeError) as e:
+        raise ConfigError(f"{path}:{node.start_mark.line + 1}: YAML cannot read the value {node.value!r} ({e}); "
+                          "quote it to keep it as text, or correct it.") from None
+
+
+def _yaml_error(e: yaml.YAMLError, path: str) -> ConfigError:
+    """One line for a YAML error, at the line of the problem (PyYAML's own text is several, with a caret)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    line = f":{mark.line + 1}" if mark is not None else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return ConfigError(f"{path}{line}: not valid YAML ({problem}); fix it there.")
 
 
 def _parse_yaml(text: str, path: str) -> _Loc:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{path}{line}: not valid YAML ({problem}); fix the syntax there.") from None
+        raise _yaml_error(e, path) from None
+    except RecursionError:  # the composer recurses once per level
+        raise ConfigError(f"{path}: the YAML is nested thousands of levels deep; a job file is a few levels "
+                          "deep: fix the brackets.") from None
     if node is None:
         raise ConfigError(f"{path}:1: the job file is empty; it needs at least `name` and `entrypoint`.")
     constructor = yaml.constructor.SafeConstructor()
     try:
-        root = _locate(node, path, constructor)
+        root = _locate(node, path, constructor, [0])
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({e}); fix the syntax there.") from None
-    except RecursionError:  # an alias inside its own anchor (`a: &a [*a]`): a structure without end
-        raise ConfigError(f"{path}: a YAML alias refers to the node that contains it (&name ... *name), which "
-                          "never ends; write the value out.") from None
+        raise _yaml_error(e, path) from None
+    except RecursionError:  # an alias inside its own anchor (`a: &a [*a]`), or nesting without end
+        raise ConfigError(f"{path}: a YAML alias refers to the node that contains it (&name ... *name), or the "
+                          "values nest thousands of levels deep; write the value out.") from None
     if not isinstance(root.value, dict):
         raise ConfigError(f"{root.where}: the job file must be a mapping of keys (name: ..., entrypoint: ...).")
     return root
@@ -286,7 +315,8 @@ def _plain(v: Any) -> Any:
 
 
 def _fail(loc: _Loc, key: str, must: str) -> ConfigError:
-    return ConfigError(f"{loc.where}: {key} must be {must}, got {_plain(loc.value)!r}.")
+    got = repr(_plain(loc.value))
+    return ConfigError(f"{loc.where}: {key} must be {must}, got {got if len(got) <= 200 else got[:200] + '…'}.")
 
 
 def _is_number(v: Any) -> bool:
@@ -304,9 +334,12 @@ def _int(minimum: int) -> Check:
 
 def _factor(minimum: float) -> Check:
     def check(loc: _Loc, key: str) -> float:
-        if not _is_number(loc.value) or not minimum <= loc.value < float("inf"):
+        v = loc.value
+        if isinstance(v, str) and (m := DURATION_RE.fullmatch(v)) and m.group(2) is None:
+            v = float(m.group(1))  # YAML 1.1 leaves 1e1 (no dot) as text
+        if not _is_number(v) or not minimum <= v <= MAX_DURATION_S:
             raise _fail(loc, key, f"null or a number ≥ {minimum:g} (a multiple of the slowest recent step)")
-        return float(loc.value)
+        return float(v)
 
     return check
 
@@ -318,7 +351,7 @@ def _duration(*, positive: bool = True) -> Check:
         v = loc.value
         seconds: float | None = None
         if _is_number(v):
-            seconds = float(v)
+            seconds = float(v) if abs(v) <= MAX_DURATION_S else None  # float() of a 400-digit int overflows
         elif isinstance(v, str) and (m := DURATION_RE.fullmatch(v)):
             seconds = float(m.group(1)) * DURATION_UNITS[m.group(2)]
         if seconds is None or not 0 <= seconds <= MAX_DURATION_S or (positive and seconds == 0):
@@ -366,8 +399,14 @@ def _path(loc: _Loc, key: str) -> str:
         raise _fail(loc, key, "a path (a non-empty string)")
     if "\x00" in loc.value:
         raise _fail(loc, key, "a path without a NUL character")
-    if any(len(part.encode()) > NAME_MAX_BYTES for part in loc.value.split("/")):
+    try:
+        encoded = os.fsencode(loc.value)
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800"), which YAML's escapes allow
+        raise _fail(loc, key, "a path of valid text") from None
+    if any(len(part) > NAME_MAX_BYTES for part in encoded.split(b"/")):
         raise _fail(loc, key, f"a path whose every folder and file name is at most {NAME_MAX_BYTES} bytes")
+    if len(encoded) >= PATH_MAX_BYTES:
+        raise _fail(loc, key, f"a path shorter than {PATH_MAX_BYTES} bytes")
     return loc.value
 
 
@@ -413,7 +452,7 @@ def _nnodes(loc: _Loc, key: str) -> str:
     if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
         return str(v)
     if isinstance(v, str):
-        if v.isdigit() and int(v) >= 1:
+        if v.isdecimal() and int(v) >= 1:  # isdigit() takes "²", which int() refuses
             return str(int(v))
         m = NNODES_RANGE_RE.fullmatch(v)
         if m and 1 <= int(m.group(1)) <= int(m.group(2)):
@@ -423,20 +462,23 @@ def _nnodes(loc: _Loc, key: str) -> str:
 
 def _nproc(loc: _Loc, key: str) -> str:
     v = loc.value
-    if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+    if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_NPROC:
         return str(v)
     if v in NPROC_WORDS:
         return v
-    raise _fail(loc, key, "an integer ≥ 1 or one of " + ", ".join(NPROC_WORDS))
+    raise _fail(loc, key, f"an integer from 1 to {MAX_NPROC} or one of " + ", ".join(NPROC_WORDS))
 
 
 def _endpoint(loc: _Loc, key: str) -> str:
+    """HOST:PORT as torchrun parses it (an IPv6 address in brackets); a typo failed only inside torchrun."""
     v = loc.value
     if isinstance(v, str):
         host, sep, port = v.rpartition(":")
-        if sep and host and port.isdigit() and int(port) <= 65535:
-            return v
-    raise _fail(loc, key, 'HOST:PORT, e.g. "127.0.0.1:29400"')
+        bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if sep and HOST_RE.fullmatch(bare) and port.isdecimal() and 1 <= int(port) <= 65535:
+            return f"{host}:{int(port)}"
+    raise _fail(loc, key, 'HOST:PORT with a host name or IP address and a port from 1 to 65535, e.g. '
+                          '"127.0.0.1:29400"')
 
 
 def _interval(loc: _Loc, key: str) -> int | None:
@@ -555,8 +597,13 @@ def parse_override(text: str) -> Override:
         return Override(key, raw.strip(), text)
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        raise ConfigError(f"--set {text}: the value is not valid YAML; quote it.") from None
+    except (yaml.YAMLError, ValueError, OverflowError, TypeError, RecursionError):  # `2024-13-45`, `!!int abc`
+        raise ConfigError(f"--set {text}: the value is not valid YAML, or YAML cannot read it; quote it.") from None
+    try:
+        _to_loc(value, text)
+    except RecursionError:  # `&a [*a]`: a list that holds itself
+        raise ConfigError(f"--set {text}: the value refers to itself (&name ... *name) and never ends; write it "
+                          "out.") from None
     return Override(key, value, text)
 
 
@@ -625,18 +672,42 @@ def load_job(path: str | os.PathLike, overrides: Sequence[str | Override] = ()) 
     """
     path = Path(path)
     shown = str(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{shown}: no such job file; check the path.") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{shown}: is a folder, not a job file; pass the .yaml file.") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{shown}: cannot read the job file ({e}).") from None
-    root = _parse_yaml(text, shown)
+    root = _parse_yaml(_read_job_file(path, shown), shown)
     for ov in overrides:
         _apply_override(root, ov if isinstance(ov, Override) else parse_override(ov))
     return build_job(root, path)
+
+
+def _read_job_file(path: Path, shown: str) -> str:
+    """The job file's text, or one sentence: never a wait on a FIFO, never a traceback."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opened so does not wait
+    except FileNotFoundError:
+        raise ConfigError(f"{shown}: no such job file; check the path.") from None
+    except PermissionError:
+        raise ConfigError(f"{shown}: this user may not read the job file (permission denied); give it read "
+                          "access, or run as its owner.") from None
+    except OSError as e:
+        raise ConfigError(f"{shown}: cannot open the job file ({e.strerror or e}); check the path.") from None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise ConfigError(f"{shown}: is a folder, not a job file; pass the .yaml file.")
+            if not stat.S_ISREG(mode) and not stat.S_ISCHR(mode):  # /dev/null reads as an empty file
+                raise ConfigError(f"{shown}: is not a regular file (a FIFO or a socket); pass the .yaml file.")
+            data = f.read(MAX_JOB_BYTES + 1)
+        except OSError as e:
+            raise ConfigError(f"{shown}: cannot read the job file ({e.strerror or e}).") from None
+    if len(data) > MAX_JOB_BYTES:  # /dev/zero, or a file that is not a job file
+        raise ConfigError(f"{shown}: is larger than {MAX_JOB_BYTES >> 20} MiB, which no job file is; pass the .yaml "
+                          "file.")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{shown}:{line}: the job file is not UTF-8 text (byte {data[e.start]:#04x}); save it as "
+                          "UTF-8.") from None
 
 
 def _where(root: _Loc, dotted: str) -> str:
@@ -670,7 +741,14 @@ def build_job(root: _Loc, path: Path) -> JobConfig:
     script = resolve(ep["script"]) if ep.get("script") else None
     if script is not None and not script.is_file():
         where = _where(root, "entrypoint.script")
-        raise ConfigError(f"{where}: entrypoint.script {ep['script']!r} does not exist (looked at {script}).")
+        what = "is a folder, not a Python file" if script.is_dir() else "does not exist"
+        raise ConfigError(f"{where}: entrypoint.script {ep['script']!r} {what} (looked at {script}).")
+    for key in ("run_dir", "checkpoint.dir"):  # {node} is filled in checkpoint.local_dir alone
+        written = values.get("run_dir") if key == "run_dir" else values.get("checkpoint", {}).get("dir")
+        if isinstance(written, str) and "{node}" in written:
+            raise ConfigError(f"{_where(root, key)}: {key} {written!r} holds {{node}}, which is filled in only in "
+                              "checkpoint.local_dir: the nodes share one run dir (each has nodes/NAME/ in it) and "
+                              "one durable root; remove {node} there.")
     entrypoint = EntrypointConfig(module=ep.get("module"), script=script, args=ep.get("args", ()))
 
     run_dir = resolve(values.get("run_dir") or f"runs/{name}")
@@ -720,10 +798,12 @@ def build_job(root: _Loc, path: Path) -> JobConfig:
     for key in ("join_timeout", "last_call_timeout", "close_timeout"):  # torchrun reads them as seconds
         if key in rdzv.conf:
             try:
-                float(rdzv.conf[key])
+                seconds = float(rdzv.conf[key])
             except ValueError:
+                seconds = float("nan")
+            if not 0 < seconds <= MAX_DURATION_S:  # nan, inf and -5 read as numbers too
                 raise ConfigError(f"{_where(root, f'rdzv.conf.{key}')}: rdzv.conf.{key} must be a number of "
-                                  f"seconds (torchrun reads it so), got {rdzv.conf[key]!r}.") from None
+                                  f"seconds > 0 and at most 1e9 (torchrun reads it so), got {rdzv.conf[key]!r}.")
     return JobConfig(
         name=name,
         run_dir=run_dir,

@@ -201,6 +201,38 @@ BAD = {
                                        "  endpoint: h:1\n", None, 5, ["rdzv.backend static", "use backend c10d"]),
     "a duration in rdzv.conf": ("name: x\nentrypoint: {module: m}\nrdzv:\n  conf: {join_timeout: 10m}\n", None, 4,
                                 ["rdzv.conf.join_timeout must be a number of seconds", "'10m'"]),
+    # Values YAML recognises and cannot build, input without end, and values that validated and failed only
+    # inside torchrun (or made it fork a rank per typo'd digit).
+    "a date that is no date": ("name: x\nentrypoint: {module: m}\nrun_dir: 2024-13-45\n", None, 3,
+                               ["YAML cannot read the value '2024-13-45' (month must be in 1..12)", "quote it"]),
+    "an unknown tag": ("name: x\nentrypoint: {module: m}\nenv: {A: !foo 3}\n", None, 3,
+                       ["not valid YAML (could not determine a constructor for the tag '!foo')"]),
+    "nesting without end": ("name: x\nentrypoint: {module: m}\nenv: " + "[" * 5000 + "]" * 5000 + "\n", None,
+                            None, ["nested thousands of levels deep"]),
+    "aliases of aliases": ("name: x\nentrypoint: {module: m}\na0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
+                           + "".join(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]\n" for i in range(1, 10)),
+                           None, None, ["expands to more than 100000 values"]),
+    "a superscript node count": ('name: x\nentrypoint: {module: m}\nnnodes: "²"\n', None, 3, ["nnodes must be"]),
+    "a space in the endpoint": ('name: x\nentrypoint: {module: m}\nrdzv: {endpoint: "local host:29400"}\n', None, 3,
+                                ["rdzv.endpoint must be HOST:PORT with a host name or IP address"]),
+    "a scheme in the endpoint": ('name: x\nentrypoint: {module: m}\nrdzv: {endpoint: "http://h:29400"}\n', None, 3,
+                                 ["rdzv.endpoint must be HOST:PORT"]),
+    "port 0": ('name: x\nentrypoint: {module: m}\nrdzv: {endpoint: "h:0"}\n', None, 3, ["a port from 1 to 65535"]),
+    "{node} in the run dir": ('name: x\nentrypoint: {module: m}\nrun_dir: "runs/{node}"\n', None, 3,
+                              ["run_dir 'runs/{node}' holds {node}, which is filled in only in checkpoint.local_dir"]),
+    "a rank count with extra digits": ("name: x\nentrypoint: {module: m}\nnproc_per_node: 80000\n", None, 3,
+                                       ["nproc_per_node must be an integer from 1 to 4096"]),
+    "a 400-digit timeout": ("name: x\nentrypoint: {module: m}\nheartbeat: {timeout_s: " + "9" * 400 + "}\n", None, 3,
+                            ["heartbeat.timeout_s must be a duration", "…"]),
+    "a lone surrogate in a path": ('name: x\nentrypoint: {module: m}\nrun_dir: "\\ud800"\n', None, 3,
+                                   ["run_dir must be a path of valid text"]),
+    "a path longer than Linux takes": ("name: x\nentrypoint: {module: m}\nrun_dir: " + "/".join(["a" * 200] * 30)
+                                       + "\n", None, 3, ["run_dir must be a path shorter than 4096 bytes"]),
+    "a join timeout of nan": ("name: x\nentrypoint: {module: m}\nrdzv:\n  conf: {join_timeout: .nan}\n", None, 4,
+                              ["rdzv.conf.join_timeout must be a number of seconds > 0"]),
+    "a folder as the script": ("name: x\nentrypoint:\n  script: .\n", None, 3, ["is a folder, not a Python file"]),
+    "--set that refers to itself": (GOOD, "name=&a [*a]", None, ["--set name=&a [*a]: the value refers to itself"]),
+    "--set with a date that is no date": (GOOD, "name=2024-13-45", None, ["YAML cannot read it; quote it"]),
 }
 
 
@@ -219,6 +251,24 @@ def test_bad_job_files_exit_2_with_one_line_naming_line_and_key(case, tmp_path, 
     for w in words:
         assert w in msg, msg
     assert not (tmp_path / "runs").exists(), "a bad job file must create nothing"
+
+
+def test_a_job_file_that_is_no_text_file_is_one_sentence_and_never_waited_on(tmp_path, cli):
+    """A FIFO as the job file waited forever for a writer; bytes that are not UTF-8 gave no line and no fix."""
+    import os
+
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "latin1.yaml").write_bytes(b"name: x\nentrypoint: {module: m}\nenv: {A: caf\xe9}\n")
+    for name, words in (("fifo.yaml", "is not a regular file (a FIFO or a socket)"),
+                        ("latin1.yaml", "latin1.yaml:3: the job file is not UTF-8 text (byte 0xe9); save it as UTF-8")):
+        result = cli("run", tmp_path / name)
+        assert result.exit_code == 2 and words in result.stderr and len(result.stderr.splitlines()) == 1, result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_values_yaml_1_1_leaves_as_text_and_ipv6_endpoints_are_read(tmp_path):
+    job = load_job(write(tmp_path, GOOD), ["heartbeat.stall_factor=1e1", "nnodes=2", 'rdzv.endpoint="[::1]:29400"'])
+    assert job.heartbeat.stall_factor == 10.0 and job.rdzv.endpoint == "[::1]:29400"
 
 
 def test_missing_job_file_is_a_usage_error(tmp_path, cli):
