@@ -104,7 +104,16 @@ def read_regular(path: str | os.PathLike) -> bytes:
 def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file (a regular one: `open_regular`); raises OSError or ValueError like `json.load`. NaN and
     Infinity, which Python writes and JSON lacks, read as None, so what is read can be printed as JSON again."""
-    return json.loads(read_regular(path), parse_constant=lambda _: None)
+    return parse_json(read_regular(path), parse_constant=lambda _: None)
+
+
+def parse_json(data: bytes | str, **kwargs: Any) -> Any:
+    """`json.loads`, where a document nested deeper than the interpreter recurses (`[[[…` a few thousand deep: a
+    damaged or planted file) is a ValueError like any other malformed one, not a RecursionError no caller expects."""
+    try:
+        return json.loads(data, **kwargs)
+    except RecursionError:
+        raise ValueError("JSON nested too deep to read") from None
 
 
 def write_problem(folder: str | os.PathLike) -> str | None:

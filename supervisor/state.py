@@ -249,10 +249,40 @@ def read(path: Path) -> RunRecord:
             _check_types(h)
         if not isinstance(rec.accounting.get("summary", {}), dict):
             raise ValueError("accounting.summary: not an object")
+        _check_fields("accounting.summary", rec.accounting.get("summary") or {}, SUMMARY_FIELDS, SUMMARY_SHOWN)
+        for i, r in enumerate(rec.ranks):
+            _check_fields(f"ranks[{i}]", r, RANK_FIELDS)
         _relative_paths(rec)
     except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
         raise StateFileError(f"{path}: malformed ({e})", damaged=True) from None
     return rec
+
+
+# The fields `status` reads from the free-form parts of a record, and what each holds (or null).
+RANK_FIELDS: dict[str, Any] = {
+    "rank": int, "pid": int, "step": int, "world_size": int, "started_at": float, "heartbeat_at": float,
+    "heartbeat_age_s": float, "steps_per_s": float, "own_steps_per_s": float, "hang_limit_s": float, "alive": bool,
+    "phase": str, "node": str, "note": str,
+}
+SUMMARY_FIELDS: dict[str, Any] = {
+    key: float for key in ("wall_s", "useful_s", "startup_s", "train_s", "checkpoint_blocking_s", "stalled_s",
+                           "lost_steps", "lost_s", "tail_s", "down_s", "attempts", "goodput")
+}
+SUMMARY_SHOWN = ("wall_s", "useful_s", "startup_s", "checkpoint_blocking_s", "lost_steps", "lost_s", "tail_s",
+                 "down_s")  # status's goodput line (timeline.summary_line) needs each of them
+
+
+def _check_fields(where: str, d: Any, fields: dict[str, Any], required: tuple[str, ...] = ()) -> None:
+    """The known fields of a free-form part (a rank's entry, the goodput summary) hold what they should (or
+    null), and a non-empty part holds the `required` ones."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: not an object")
+    for key, hint in fields.items():
+        if key not in d:
+            if d and key in required:
+                raise ValueError(f"{where}.{key}: missing")
+        elif d[key] is not None and not _fits(d[key], hint):
+            raise ValueError(f"{where}.{key}: {d[key]!r:.60} is not {hint.__name__}")
 
 
 def _check_types(obj: Any) -> None:

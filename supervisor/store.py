@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import __version__
-from supervisor.fsutil import atomic_write_bytes, fsync_dir, open_regular, read_regular
+from supervisor.fsutil import atomic_write_bytes, fsync_dir, open_regular, parse_json, read_regular
 
 FORMAT = "resilient-checkpoint"
 SCHEMA_VERSION = 1
@@ -193,8 +193,8 @@ class Manifest:
     def from_json(cls, data: bytes) -> Manifest:
         """Parse a marker; raises ValueError with a short reason for anything malformed."""
         try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            doc = parse_json(data)
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError among them
             raise ValueError(f"not valid JSON ({e.__class__.__name__})") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ValueError("not a resilient completion marker")
@@ -594,7 +594,7 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
 def quarantine_reason(path: str | os.PathLike) -> str:
     """Why a quarantined folder was set aside (from its QUARANTINE.json)."""
     try:
-        doc = json.loads(read_regular(Path(path) / QUARANTINE_FILE))
+        doc = parse_json(read_regular(Path(path) / QUARANTINE_FILE))
         return str(doc["reason"])
     except (OSError, ValueError, KeyError, TypeError):
         return "set aside (its QUARANTINE.json is missing or unreadable)"

@@ -77,6 +77,11 @@ def _holds_checkpoints(path: Path) -> bool:
         return False  # a folder that cannot be read says so (the CLI names it), not "nothing here"
 
 
+def _in_checkpoint(path: Path) -> bool:
+    name = path.parent.name
+    return bool(store.STEP_RE.match(name) or store.PARTIAL_RE.match(name) or store.QUARANTINE_RE.match(name))
+
+
 def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
     """Work out what TARGET names. Raises UsageError (exit 2) for a path that does not exist, and for a
     folder with no run and no checkpoints (the same sentence from every command)."""
@@ -84,6 +89,9 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
     path = Path(os.path.abspath(os.path.expanduser(given)))
     if not path.exists():
         raise NotYetError(f"{given}: no such file or folder; pass a job file, a run dir or a checkpoint root.")
+    if path.is_file() and _in_checkpoint(path):
+        raise UsageError(f"{given} is a file of checkpoint {path.parent.name}; pass its checkpoint root "
+                         f"({path.parent.parent}).")
     if path.is_file():
         from supervisor.config import load_job  # only job-file targets pay for YAML validation
 

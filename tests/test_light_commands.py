@@ -560,9 +560,13 @@ def _run_dir(tmp_path: Path, steps=(1, 2, 3, 4), **replication) -> Path:
 def test_a_damaged_state_or_job_record_is_one_sentence_and_nothing_is_deleted(tmp_path, cli):
     run_dir = _run_dir(tmp_path)
     good = json.loads((run_dir / "state.json").read_text())
+    deep = "[" * 100_000 + "]" * 100_000  # past the interpreter's recursion: a RecursionError no caller caught
     for key, value in [("history", [1]), ("ranks", [1]), ("replication", "x"), ("supervisor", "x"),
-                       ("accounting", {"summary": "x"}), ("run_dir", 5), ("updated_at", 1e20), ("step", "NaN")]:
-        (run_dir / "state.json").write_text(json.dumps({**good, key: value}).replace('"NaN"', "NaN"))
+                       ("accounting", {"summary": "x"}), ("run_dir", 5), ("updated_at", 1e20), ("step", "NaN"),
+                       ("ranks", [{"rank": 0, "step": "x"}]), ("accounting", {"summary": {"wall_s": "x"}}),
+                       ("history", "DEEP")]:
+        (run_dir / "state.json").write_text(json.dumps({**good, key: value}).replace('"NaN"', "NaN")
+                                            .replace('"DEEP"', deep))
         for args in (("status", run_dir), ("status", run_dir, "--json"), ("logs", run_dir),
                      ("inspect-checkpoint", run_dir), ("gc", run_dir, "--keep", "1", "--dry-run")):
             r = cli(*args)  # in process, exceptions not caught: a traceback fails the test by itself
@@ -573,7 +577,8 @@ def test_a_damaged_state_or_job_record_is_one_sentence_and_nothing_is_deleted(tm
                 assert r.exit_code == 0 and json.loads(r.stdout)["step"] is None, r.output
             if r.exit_code == 2:
                 if args[0] != "logs":  # logs reads the attempts' folders (this run dir has none)
-                    assert "state.json: malformed" in r.output and "damaged" in r.output, (key, args, r.output)
+                    said = "state.json: not JSON" if value == "DEEP" else "state.json: malformed"
+                    assert said in r.output and "damaged" in r.output, (key, args, r.output)
                 if "--json" in args:
                     assert json.loads(r.stdout)["exit_code"] == 2, r.output
                 else:
@@ -584,12 +589,24 @@ def test_a_damaged_state_or_job_record_is_one_sentence_and_nothing_is_deleted(tm
     assert r.exit_code == 0 and json.loads(r.stdout)["goodput"] is None, r.output
 
     (run_dir / "state.json").write_text(json.dumps(good))
-    for damaged in ('{"schema_version": 1, "job": ', '[1]', '{"job": {"checkpoint": 5}}'):
+    for damaged in ('{"schema_version": 1, "job": ', '[1]', '{"job": {"checkpoint": 5}}', '{"job": ' + deep + "}"):
         (run_dir / "job.json").write_text(damaged)
         for args in (("inspect-checkpoint", run_dir), ("gc", run_dir, "--keep", "1")):
             r = cli(*args)
             assert r.exit_code == 2 and "job.json cannot be read" in r.output, (damaged, args, r.output)
     assert [c.step for c in store.scan(run_dir / "checkpoints")] == [1, 2, 3, 4]
+    (run_dir / "job.json").unlink()
+    (run_dir / "checkpoints" / "step_000000004" / store.MARKER).write_text(deep)
+    store.quarantine(run_dir / "checkpoints" / "step_000000003", "a test")
+    (run_dir / "checkpoints" / "step_000000003.quarantined" / store.QUARANTINE_FILE).write_text(deep)
+    for args in (("inspect-checkpoint", run_dir), ("gc", run_dir, "--keep", "1", "--dry-run"), ("status", run_dir)):
+        r = cli(*args)
+        assert r.exit_code in (0, 1) and "Traceback" not in r.output, (args, r.output)
+    doc = json.loads(cli("inspect-checkpoint", run_dir, "--json").stdout)
+    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {1: "valid", 2: "valid", 3: "corrupt",
+                                                                      4: "corrupt"}, doc
+    r = cli("inspect-checkpoint", run_dir / "checkpoints" / "step_000000002" / store.MARKER)
+    assert r.exit_code == 2 and "is a file of checkpoint step_000000002; pass its checkpoint root" in r.stderr
 
 
 def test_gc_takes_no_local_tier_for_the_durable_root_and_refuses_a_bad_keep_local(tmp_path, cli):
