@@ -151,6 +151,18 @@ def test_a_path_recorded_out_of_the_run_dir_with_dotdot_is_not_followed(tmp_path
     assert sorted(p.name for p in victim.iterdir()) == [store.step_dirname(s) for s in (1, 2, 3)]
 
 
+def test_status_refuses_a_log_dir_recorded_out_of_the_run_dir_in_both_views(tmp_path, cli):
+    """Only `status --json` resolves the history's log_dir, so only it refused one with `..`: the text view, which
+    shows none, answered 0 for the same state file."""
+    rec = state.RunRecord(name="x", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.SUCCEEDED)
+    rec.history.append(state.AttemptRecord(attempt=1, started_at=1.0, resumed_from_step=None, ended_at=2.0,
+                                           reason="finished", log_dir="../../etc"))
+    state.write(tmp_path / "state.json", rec)
+    for args in (("status", tmp_path), ("status", tmp_path, "--json")):
+        r = cli(*args)
+        assert r.exit_code == 2 and "leads out of the run dir" in r.output, (args, r.output)
+
+
 def test_gc_does_not_follow_a_link_named_like_its_leftovers(tmp_path, cli):
     root, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
     write_checkpoint(root, 1)

@@ -349,7 +349,10 @@ def collect(target: str | None) -> StatusResult:
         nodes.append(NodeStatus(n.record, n.node_dir, n.alive))
     for n, gone in zip(nodes, state.retired([(n.record, n.supervisor_alive) for n in nodes]), strict=True):
         n.retired = gone
-    return StatusResult(run_dir, nodes, time.time(), t.checkpoint_root if t.root_outside else None)
+    result = StatusResult(run_dir, nodes, time.time(), t.checkpoint_root if t.root_outside else None)
+    for n in nodes:  # a recorded path out of the run dir is refused by the text view too, which shows none
+        result._history(n.record)
+    return result
 
 
 def wait_for_ranks(target: str | None, timeout_s: float, poll_s: float = 0.2) -> StatusResult:
