@@ -50,6 +50,7 @@ def init(timeout_s: float, device_preference: str = "auto") -> DistContext:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(device_preference, local_rank)
     if dist.is_initialized():
+        _meet_on_the_scripts_group()
         raise ValueError("the default process group was already initialized (init_process_group in the script?): "
                          "Session.start() joins the job itself; remove the script's own init_process_group")
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -63,6 +64,18 @@ def init(timeout_s: float, device_preference: str = "auto") -> DistContext:
     ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
     mesh = init_device_mesh(device.type, (world,))
     return DistContext(dist.get_rank(), world, local_rank, device, backend, mesh, ckpt_group)
+
+
+def _meet_on_the_scripts_group(timeout_s: float = 30.0) -> None:
+    """The script formed its own gloo group: every rank refuses it together. A rank that left at once (exit 78)
+    broke the group still connecting on a slower one, whose init_process_group then raised from gloo (a traceback
+    and exit 1 where the sentence and 78 belong). Bounded: a rank that never comes is waited for `timeout_s`."""
+    if dist.get_backend() != "gloo":  # NCCL connects lazily: nothing of it is left half-made
+        return
+    try:
+        dist.monitored_barrier(timeout=dt.timedelta(seconds=timeout_s))
+    except Exception as e:  # a rank gone or late: the refusal goes on
+        log.debug("ranks did not meet before the refusal: %s", e)
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
