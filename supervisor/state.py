@@ -240,8 +240,9 @@ def read(path: Path) -> RunRecord:
         raise StateFileError(f"{path}: not JSON ({e})", damaged=True) from None
     if not isinstance(d, dict) or d.get("schema_version") != SCHEMA_VERSION:
         version = d.get("schema_version") if isinstance(d, dict) else None
+        written = isinstance(version, int) and not isinstance(version, bool)  # by another version: not damage
         raise StateFileError(f"{path}: schema_version {version!r}, this resilient reads {SCHEMA_VERSION}",
-                             damaged=not isinstance(d, dict) or "schema_version" not in d)
+                             damaged=not written)
     try:
         rec = RunRecord.from_dict(d)
         _check_types(rec)
@@ -292,7 +293,8 @@ def _check_types(obj: Any) -> None:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if not _fits(value, hints[f.name]):
-            raise ValueError(f"{f.name}: {value!r:.60} is not {hints[f.name]}".replace("typing.", ""))
+            raise ValueError(f"{f.name}: {value!r:.60} is not {hints[f.name]}".replace("typing.", "")
+                             .replace("float", "float (finite, below 1e12)"))
 
 
 def _fits(value: Any, hint: Any) -> bool:

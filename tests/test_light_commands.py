@@ -583,6 +583,8 @@ def test_a_damaged_state_or_job_record_is_one_sentence_and_nothing_is_deleted(tm
                     assert json.loads(r.stdout)["exit_code"] == 2, r.output
                 else:
                     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    (run_dir / "state.json").write_text(json.dumps({**good, "goodput": 1e308}))  # said as a bound, not "not float"
+    assert "goodput: 1e+308 is not float (finite, below 1e12) | None" in cli("status", run_dir).stderr
     # NaN and Infinity where Python wrote them read as nothing, so `status --json` stays JSON.
     (run_dir / "state.json").write_text(json.dumps({**good, "goodput": float("inf")}))
     r = cli("status", run_dir, "--json")

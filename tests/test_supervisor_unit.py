@@ -758,7 +758,8 @@ def test_a_state_file_is_called_damaged_only_for_bytes_no_version_wrote(tmp_path
 
     path = tmp_path / "state.json"
     for content, damaged in ((b'{"schema_version": 1, "hist', True), (b"[1, 2]", True), (b'{"a": 1}', True),
-                             (b'{"schema_version": 99}', False)):
+                             (b'{"schema_version": 99}', False), (b'{"schema_version": 0}', False),
+                             (b'{"schema_version": NaN}', True), (b'{"schema_version": "1"}', True)):
         path.write_bytes(content)
         with pytest.raises(state_mod.StateFileError) as e:
             state_mod.read(path)
