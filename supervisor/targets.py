@@ -57,7 +57,7 @@ class Target:
 def nothing_here(path: Path | str) -> UsageError:
     """The one sentence every light command gives for a folder that holds neither a run nor checkpoints."""
     return NotYetError(f"{path}: no run and no checkpoints here (no job.json, state.json or step_* folders); "
-                      "pass a run dir, a job file or a checkpoint root.")
+                       "pass a run dir, a job file or a checkpoint root.")
 
 
 def _run_dir_of_root(root: Path) -> Path | None:
@@ -98,7 +98,7 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
         job = load_job(path)
         if not layout.looks_like_run_dir(job.run_dir) and not _holds_checkpoints(job.checkpoint.dir):
             raise NotYetError(f"{given}: no run of this job yet (nothing in {job.run_dir}); start it with "
-                             f"`resilient run {given}`.")
+                              f"`resilient run {given}`.")
         return Target(given, job.run_dir, job.checkpoint.dir)
     name = path.name
     if store.STEP_RE.match(name) or store.PARTIAL_RE.match(name) or store.QUARANTINE_RE.match(name):
@@ -168,5 +168,5 @@ def state_files(t: Target) -> list[Path]:
     files = layout.state_files(t.run_dir) if t.run_dir is not None else []
     if not files:
         raise NotYetError(f"{t.run_dir or t.checkpoint_root}: no run here (no state file); start one with "
-                         "`resilient run JOB.yaml`.")
+                          "`resilient run JOB.yaml`.")
     return files

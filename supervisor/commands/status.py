@@ -56,6 +56,10 @@ class StatusResult:
     now: float
     outside_root: Path | None = None  # the checkpoint root, when it lies outside the run dir
 
+    def __post_init__(self) -> None:
+        for n in self.nodes:  # a recorded path out of the run dir is refused by the text view too, which shows none
+            self._history(n.record)
+
     @property
     def current(self) -> list[NodeStatus]:
         """The nodes the run is made of now: not those it went on without."""
@@ -349,10 +353,7 @@ def collect(target: str | None) -> StatusResult:
         nodes.append(NodeStatus(n.record, n.node_dir, n.alive))
     for n, gone in zip(nodes, state.retired([(n.record, n.supervisor_alive) for n in nodes]), strict=True):
         n.retired = gone
-    result = StatusResult(run_dir, nodes, time.time(), t.checkpoint_root if t.root_outside else None)
-    for n in nodes:  # a recorded path out of the run dir is refused by the text view too, which shows none
-        result._history(n.record)
-    return result
+    return StatusResult(run_dir, nodes, time.time(), t.checkpoint_root if t.root_outside else None)
 
 
 def wait_for_ranks(target: str | None, timeout_s: float, poll_s: float = 0.2) -> StatusResult:
