@@ -253,6 +253,7 @@ def read(path: Path) -> RunRecord:
         _check_fields("accounting.summary", rec.accounting.get("summary") or {}, SUMMARY_FIELDS, SUMMARY_SHOWN)
         for i, r in enumerate(rec.ranks):
             _check_fields(f"ranks[{i}]", r, RANK_FIELDS)
+        _check_fields("replication", rec.replication, REPLICATION_FIELDS)
         _relative_paths(rec)
     except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
         raise StateFileError(f"{path}: malformed ({e})", damaged=True) from None
@@ -268,6 +269,12 @@ RANK_FIELDS: dict[str, Any] = {
 SUMMARY_FIELDS: dict[str, Any] = {
     key: float for key in ("wall_s", "useful_s", "startup_s", "train_s", "checkpoint_blocking_s", "stalled_s",
                            "lost_steps", "lost_s", "tail_s", "down_s", "attempts", "goodput")
+}
+REPLICATION_FIELDS: dict[str, Any] = {  # replicate.ReplicationState, and the lag its to_dict() adds
+    "local_root": str, "durable_root": str, "newest_local": int, "newest_local_at": float, "newest_durable": int,
+    "newest_durable_at": float, "pending": list[int], "failing_since": float, "last_error": str, "replicated": int,
+    "bytes_copied": int, "seconds_copying": float, "deleted_unreplicated": list[int], "superseded": int,
+    "lag_steps": int, "lag_s": float,
 }
 SUMMARY_SHOWN = ("wall_s", "useful_s", "startup_s", "checkpoint_blocking_s", "lost_steps", "lost_s", "tail_s",
                  "down_s")  # status's goodput line (timeline.summary_line) needs each of them

@@ -564,6 +564,7 @@ def test_a_damaged_state_or_job_record_is_one_sentence_and_nothing_is_deleted(tm
     for key, value in [("history", [1]), ("ranks", [1]), ("replication", "x"), ("supervisor", "x"),
                        ("accounting", {"summary": "x"}), ("run_dir", 5), ("updated_at", 1e20), ("step", "NaN"),
                        ("ranks", [{"rank": 0, "step": "x"}]), ("accounting", {"summary": {"wall_s": "x"}}),
+                       ("replication", {"local_root": "l", "durable_root": "d", "pending": ["a"]}),
                        ("history", "DEEP")]:
         (run_dir / "state.json").write_text(json.dumps({**good, key: value}).replace('"NaN"', "NaN")
                                             .replace('"DEEP"', deep))
