@@ -599,11 +599,6 @@ def parse_override(text: str) -> Override:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except (yaml.YAMLError, ValueError, OverflowError, TypeError, RecursionError):  # `2024-13-45`, `!!int abc`
         raise ConfigError(f"--set {text}: the value is not valid YAML, or YAML cannot read it; quote it.") from None
-    try:
-        _to_loc(value, text)
-    except RecursionError:  # `&a [*a]`: a list that holds itself
-        raise ConfigError(f"--set {text}: the value refers to itself (&name ... *name) and never ends; write it "
-                          "out.") from None
     return Override(key, value, text)
 
 
@@ -673,8 +668,13 @@ def load_job(path: str | os.PathLike, overrides: Sequence[str | Override] = ()) 
     path = Path(path)
     shown = str(path)
     root = _parse_yaml(_read_job_file(path, shown), shown)
-    for ov in overrides:
-        _apply_override(root, ov if isinstance(ov, Override) else parse_override(ov))
+    for given in overrides:
+        ov = given if isinstance(given, Override) else parse_override(given)
+        try:
+            _apply_override(root, ov)
+        except RecursionError:  # `&a [*a]`: a list that holds itself
+            raise ConfigError(f"--set {ov.text}: the value refers to itself (&name ... *name) and never ends; write "
+                              "it out.") from None
     return build_job(root, path)
 
 
@@ -743,8 +743,8 @@ def build_job(root: _Loc, path: Path) -> JobConfig:
         where = _where(root, "entrypoint.script")
         what = "is a folder, not a Python file" if script.is_dir() else "does not exist"
         raise ConfigError(f"{where}: entrypoint.script {ep['script']!r} {what} (looked at {script}).")
-    for key in ("run_dir", "checkpoint.dir"):  # {node} is filled in checkpoint.local_dir alone
-        written = values.get("run_dir") if key == "run_dir" else values.get("checkpoint", {}).get("dir")
+    shared = {"run_dir": values.get("run_dir"), "checkpoint.dir": values.get("checkpoint", {}).get("dir")}
+    for key, written in shared.items():  # {node} is filled in checkpoint.local_dir alone
         if isinstance(written, str) and "{node}" in written:
             raise ConfigError(f"{_where(root, key)}: {key} {written!r} holds {{node}}, which is filled in only in "
                               "checkpoint.local_dir: the nodes share one run dir (each has nodes/NAME/ in it) and "
