@@ -248,8 +248,6 @@ def read(path: Path) -> RunRecord:
         _check_types(rec)
         for h in rec.history:
             _check_types(h)
-        if not isinstance(rec.accounting.get("summary", {}), dict):
-            raise ValueError("accounting.summary: not an object")
         _check_fields("accounting.summary", rec.accounting.get("summary") or {}, SUMMARY_FIELDS, SUMMARY_SHOWN)
         for i, r in enumerate(rec.ranks):
             _check_fields(f"ranks[{i}]", r, RANK_FIELDS)
