@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, on a CUDA machine whose Python already has a CUDA torch (no network needed):
 #
-#     bash bench/gpu_check.sh [OUT_DIR] [all|tests|jobs]
+#     bash bench/gpu_check.sh [OUT_DIR] [all|PART[,PART...]]     # PART: tests, jobs, tiers
 #
-# `tests` runs the GPU tests and the checkpoint benchmark, `jobs` the two GPT-2-small runs: each part fits in
-# ten minutes on one H100, where a lent machine's command is cut off.
+# `tests` runs the GPU tests and the checkpoint benchmark, `jobs` the two GPT-2-small runs, `tiers` the tiers
+# benchmark (local tier on /dev/shm, durable on the disk): each part fits in ten minutes on one H100, where a lent
+# machine's command is cut off; `tests,tiers` together in about seven.
 # Installs the project beside that torch without touching it (--no-deps; falls back to running from the
 # checkout): the other dependencies (typer, rich, psutil, pyyaml, xxhash, numpy, pytest) must be there already,
 # and a missing one is named before anything runs. Prints the GPU, driver, torch, CUDA and NCCL versions, runs the GPU tests (tests/test_gpu.py), then
@@ -15,9 +16,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-bench/results/gpu}}"
-part="${2:-all}"
-case $part in all|tests|jobs) ;; *) echo "gpu_check.sh: part '$part' is none of all, tests, jobs" >&2; exit 2 ;; esac
-tests=0 small=0 bf16=0 saves=0
+parts="${2:-all}"
+[[ $parts == all ]] && parts=tests,jobs,tiers
+for p in ${parts//,/ }; do
+  case $p in tests|jobs|tiers) ;; *) echo "gpu_check.sh: part '$p' is none of all, tests, jobs, tiers" >&2; exit 2 ;; esac
+done
+has() { [[ ,$parts, == *,$1,* ]]; }
+tests=0 small=0 bf16=0 saves=0 tiers=0
 missing=$(python3 -c "import importlib.util as u; print(' '.join(m for m in ('torch', 'typer', 'rich', 'psutil', 'yaml', 'xxhash', 'numpy', 'pytest') if u.find_spec(m) is None))")
 if [[ -n $missing ]]; then
   echo "gpu_check.sh: this Python lacks $missing; install them (pip install --no-deps ...) or carry a venv" >&2
@@ -30,14 +35,14 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   python3 -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| NCCL', '.'.join(map(str, torch.cuda.nccl.version())), '| GPUs', torch.cuda.device_count())"
 } 2>&1 | tee "$out/versions.txt"
-if [[ $part != jobs ]]; then
+if has tests; then
   python3 -m pytest -m gpu -p no:cacheprovider -v -rs 2>&1 | tee "$out/gpu_tests.txt"
   tests=${PIPESTATUS[0]}
   python3 bench/checkpoint_save.py --device cuda --ranks 1 --gb 2 --out "$out/checkpoint_save.json" 2>&1 \
       | tee "$out/checkpoint_save.txt"
   saves=${PIPESTATUS[0]}
 fi
-if [[ $part != tests ]]; then
+if has jobs; then
   # Two runs in this part, within a lent machine's ten minutes: fp32 600 steps at ~0.3 s, bf16 at ~0.08 s, each
   # with three starts and the steps redone after its two kills.
   python3 bench/gpu_small.py --out "$out" --timeout 370 2>&1 | tee "$out/gpu_small.txt"
@@ -50,5 +55,12 @@ if [[ $part != tests ]]; then
   python3 -c "import json, sys; f, b = (json.load(open(p))['step_s_median'] for p in sys.argv[1:]); print(f'step time: fp32 {f} s, bf16 {b} s' + (f' ({f / b:.2f}x)' if f and b else ''))" \
     "$out/gpu_small.json" "$out/bf16/gpu_small.json" || true
 fi
-echo "gpu tests: exit $tests; GPT-2-small job: exit $small; in bf16: exit $bf16; checkpoint bench: exit $saves"
-exit $(( tests || small || bf16 || saves ))
+if has tiers; then
+  # The local tier on tmpfs, the durable one on the disk; loads of the same checkpoint from each, the durable one
+  # with the page cache dropped (root). No sustained phase: it needs a throttled disk to mean anything.
+  python3 bench/tiers.py --device cuda --ranks 1 --gb 2 --saves 3 --loads 3 --copies 3 --sustained 0 \
+      --local-tier /dev/shm --out "$out/tiers.json" 2>&1 | tee "$out/tiers.txt"
+  tiers=${PIPESTATUS[0]}
+fi
+echo "gpu tests: exit $tests; GPT-2-small job: exit $small; in bf16: exit $bf16; checkpoint bench: exit $saves; tiers bench: exit $tiers"
+exit $(( tests || small || bf16 || saves || tiers ))

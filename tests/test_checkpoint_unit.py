@@ -173,6 +173,37 @@ def test_a_registered_arena_is_unregistered_once_when_the_layout_changes(monkeyp
     assert [c for c, _ in calls].count("unregister") == 1
 
 
+def test_a_load_read_in_many_small_pieces_at_once_is_bitwise_and_a_short_file_stops_it_with_no_reader_left(
+        ctx, tmp_path, monkeypatch):
+    """Pieces of 40 bytes, three in flight: every tensor spans many pieces, read out of order by the threads."""
+    import os
+    import threading
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from train_entry import storage
+    from train_entry.checkpoint import Checkpointer
+
+    monkeypatch.setattr(storage, "PIECE", 40)
+    monkeypatch.setattr(storage, "READERS", 3)
+    ckpt = Checkpointer(tmp_path, ctx, async_save=False)
+    ckpt.save(7, lambda: state(ctx), sync=True)
+    path = tmp_path / store.step_dirname(7)
+
+    def blank() -> dict:
+        template = state(ctx)
+        for t in (template["model"]["w"].to_local(), template["ids"], template["optim"]["state"]["w"]["exp_avg"]):
+            t.zero_()
+        return template
+
+    assert_equal(ckpt.load(path, lambda keys: blank()), state(ctx))
+    shard = max(path.glob("__*.distcp"), key=lambda p: p.stat().st_size)
+    os.truncate(shard, shard.stat().st_size // 2)
+    with pytest.raises(CheckpointException, match=f"{shard.name}: ends before byte"):  # DCP wraps the EOFError
+        ckpt.load(path, lambda keys: blank())
+    assert not [t for t in threading.enumerate() if t.name.startswith("resilient-read")]
+
+
 def test_a_checkpoint_written_by_torchs_own_writer_still_loads(ctx, tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -15,16 +15,19 @@ fought over one interpreter. This layer keeps DCP's planning and metadata and ch
 - rank 0 writes `.metadata` (DCP's Metadata, pickled, with a `RawItem` per item: file, offset, length,
   dtype, shape), fsynced, checksummed too.
 - loading reads each item straight into its destination tensor when the saved shard and the destination
-  match (same world size), with `readinto` (GIL released); a destination on a GPU is filled through two
-  pinned host buffers, the read of one chunk overlapping the copy of the one before (measured on an H100:
-  reading into pageable memory and copying each tensor synchronously loaded 2 GB at 0.44 of the disk's
-  sequential read speed); otherwise (a resharded load) it reads the
+  match (same world size), READERS chunks at a time from as many threads (`os.preadv` releases the GIL): one
+  thread reading tmpfs or an NVMe disk at queue depth one leaves most of either idle. A destination on a GPU
+  is filled through as many pinned host buffers, each chunk copied to the device once read while the next
+  ones are read (measured on an H100: reading into pageable memory and copying each tensor synchronously
+  loaded 2 GB at 0.44 of the disk's sequential read speed); otherwise (a resharded load) it reads the
   needed ranges, coalesced, and copies the slices DCP asks for. Items written by torch's FileSystemWriter
   (checkpoints from before this layer) are read by it.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import io
 import os
@@ -58,7 +61,8 @@ from supervisor.fsutil import CHUNK, PAGE, HashedFile
 METADATA = ".metadata"
 ALIGN = 64
 READ_GAP = 1 << 20  # ranges closer than this are read as one
-BOUNCE = 64 << 20  # bytes per pinned buffer that a load to a GPU reads through (two of them)
+READERS = 4  # a same-size load's reads in flight at once; a load to a GPU reads through as many pinned buffers
+PIECE = 32 << 20  # bytes per read of a same-size load (and per pinned buffer)
 SMALL = 1 << 20  # a value rank 0 offers with others, up to this size, is written from rank 0 (Rank0Planner)
 
 
@@ -276,7 +280,6 @@ class RawReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._metadata: Metadata | None = None
         self._legacy: FileSystemReader | None = None
-        self._bounce: _DeviceBounce | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -316,31 +319,35 @@ class RawReader(StorageReader):
         per_file: dict[str, list[ReadItem]] = {}
         for req in raw:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        reads = _Reads()
         try:
             for name, reqs in per_file.items():
                 with open(self.path / name, "rb", buffering=0) as f:
-                    self._read_file(f, sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset),
-                                    planner)
+                    try:
+                        landed = self._read_file(f, sorted(reqs, key=lambda r: self.storage_data[r.storage_index]
+                                                           .offset), planner, reads)
+                    finally:
+                        reads.wait()  # every read into this file's destinations is over before it closes
+                for req, target in landed:
+                    planner.commit_tensor(req, target)
         finally:
-            if self._bounce is not None:  # every copy landed before the buffers go back
-                self._bounce.drain()
-                self._bounce = None
+            reads.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_file(self, f: Any, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_file(self, f: Any, reqs: list[ReadItem], planner: LoadPlanner,
+                   reads: _Reads) -> list[tuple[ReadItem, torch.Tensor]]:
+        """Reads `reqs` from `f`; the same-size ones are left in flight in `reads` and returned, to be committed
+        once `reads` has waited for them."""
         slow: list[ReadItem] = []
+        landed: list[tuple[ReadItem, torch.Tensor]] = []
         for req in reqs:  # the common case, a same-size relaunch: straight into the destination
             info: RawItem = self.storage_data[req.storage_index]
             target = planner.resolve_tensor(req).detach() if req.type == LoadItemType.TENSOR else None
             if target is not None and _whole(req, info, target):
-                if target.device.type == "cpu":
-                    _pread_into(f, info.offset, as_bytes(target))
-                else:
-                    self._bounce = self._bounce or _DeviceBounce()
-                    self._bounce.read(f, info.offset, target)
-                planner.commit_tensor(req, target)
+                reads.read(f, info.offset, target)
+                landed.append((req, target))
             else:
                 slow.append(req)
         for lo, hi, group in _ranges(slow, self.storage_data):
@@ -363,6 +370,7 @@ class RawReader(StorageReader):
                                      f"this run wants {tuple(target.shape)}")
                 target.copy_(saved)
                 planner.commit_tensor(req, target)
+        return landed
 
 
 def _whole(req: ReadItem, info: RawItem, target: torch.Tensor) -> bool:
@@ -373,34 +381,71 @@ def _whole(req: ReadItem, info: RawItem, target: torch.Tensor) -> bool:
             target.numel() * target.element_size() == info.length)
 
 
-class _DeviceBounce:
-    """File bytes into GPU tensors through two pinned host buffers: while one buffer's chunk is copied to the
-    device (asynchronously, from pinned memory), the next chunk is read into the other."""
+class _Reads:
+    """A same-size load's reads, READERS of PIECE bytes in flight at once, each from a thread of its own. A CPU
+    destination is read into directly. A GPU one goes through READERS pinned host buffers (allocated at the
+    first GPU destination, kept for the load): each piece is copied to the device, asynchronously, once read,
+    and its buffer is read into again only after that copy has left it."""
 
     def __init__(self) -> None:
-        self.buffers = [torch.empty(BOUNCE, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.copied: list[Any] = [None, None]  # the CUDA event after each buffer's last copy
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.flight: collections.deque[tuple[concurrent.futures.Future[None], Any]] = collections.deque()
+        self.buffers: list[torch.Tensor] = []
+        self.copied: list[Any] = [None] * READERS  # the CUDA event after each buffer's last copy
         self.turn = 0
 
     def read(self, f: Any, offset: int, target: torch.Tensor) -> None:
-        dst = target.reshape(-1).view(torch.uint8)
-        done = 0
-        while done < dst.numel():
-            n = min(BOUNCE, dst.numel() - done)
-            i, self.turn = self.turn, self.turn ^ 1
+        """Starts reading `target`'s bytes from `f` at `offset`; they are there after wait()."""
+        self.pool = self.pool or concurrent.futures.ThreadPoolExecutor(READERS, "resilient-read")
+        gpu = target.device.type != "cpu"
+        if gpu and not self.buffers:
+            pinned = torch.empty(READERS * PIECE, dtype=torch.uint8, pin_memory=True)  # one allocation
+            self.buffers = list(pinned.split(PIECE))
+        dst = target.reshape(-1).view(torch.uint8) if gpu else as_bytes(target)
+        size = len(dst)
+        for done in range(0, size, PIECE):
+            n = min(PIECE, size - done)
+            if len(self.flight) == READERS:
+                self._land(self.flight.popleft())
+            if not gpu:
+                self.flight.append((self.pool.submit(_pread_at, f, offset + done, dst[done:done + n]), None))
+                continue
+            i, self.turn = self.turn, (self.turn + 1) % READERS
             if self.copied[i] is not None:
-                self.copied[i].synchronize()  # this buffer's previous chunk has left it
+                self.copied[i].synchronize()  # this buffer's last piece has left it
             buf = self.buffers[i][:n]
-            _pread_into(f, offset + done, as_bytes(buf))
-            dst[done:done + n].copy_(buf, non_blocking=True)
-            self.copied[i] = torch.cuda.Event()
-            self.copied[i].record(torch.cuda.current_stream(target.device))
-            done += n
+            job = self.pool.submit(_pread_at, f, offset + done, as_bytes(buf))
+            self.flight.append((job, (i, buf, dst[done:done + n])))
 
-    def drain(self) -> None:
-        for event in self.copied:
-            if event is not None:
-                event.synchronize()
+    def _land(self, entry: tuple[concurrent.futures.Future[None], Any]) -> None:
+        job, to_device = entry
+        job.result()
+        if to_device is not None:
+            i, buf, dst = to_device
+            dst.copy_(buf, non_blocking=True)
+            self.copied[i] = torch.cuda.Event()
+            self.copied[i].record(torch.cuda.current_stream(dst.device))
+
+    def wait(self) -> None:
+        """Every read started is in its destination; raises the first read's error, after the rest are over."""
+        try:
+            while self.flight:
+                self._land(self.flight.popleft())
+        finally:
+            concurrent.futures.wait([job for job, _ in self.flight])
+            self.flight.clear()
+            for event in self.copied:
+                if event is not None:
+                    event.synchronize()
+
+    def close(self) -> None:
+        """Nothing reads or copies any more: the threads and the pinned buffers go."""
+        try:
+            self.wait()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
+            self.buffers = []
 
 
 def _ranges(reqs: list[ReadItem], storage: dict[MetadataIndex, Any]) -> list[tuple[int, int, list[ReadItem]]]:
@@ -414,6 +459,16 @@ def _ranges(reqs: list[ReadItem], storage: dict[MetadataIndex, Any]) -> list[tup
         else:
             out.append((info.offset, info.offset + info.length, [req]))
     return out
+
+
+def _pread_at(f: Any, offset: int, view: memoryview) -> None:
+    """`view` filled from `f` at `offset` without its file position (several threads read one file)."""
+    while view:
+        n = os.preadv(f.fileno(), [view[:CHUNK]], offset)
+        if not n:
+            raise EOFError(f"{f.name}: ends before byte {offset} + {len(view)}")
+        view = view[n:]
+        offset += n
 
 
 def _pread_into(f: Any, offset: int, view: memoryview) -> None:
