@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -249,12 +250,16 @@ def worker(args: argparse.Namespace) -> None:
         state.step += 1
         barrier()
         saved = state.step
+        t_call = time.monotonic()
         blocking = ckpt.save(saved, sd_fn, sync=False)
-        during = []
+        sampler = _PersistSampler(ckpt._thread, args.sample_ms / 1e3, t_call) if args.sample_ms else None
+        during, starts = [], []
         while someone_persists():
+            starts.append(round(time.monotonic() - t_call, 4))
             during.append(train_step())
         ckpt.wait()
-        asyncs.append({"blocking_s": blocking, "to_commit_s": ckpt.last_save_s, "steps_s": during})
+        asyncs.append({"blocking_s": blocking, "to_commit_s": ckpt.last_save_s, "steps_s": during,
+                       "step_starts_s": starts, "persist_samples": sampler.stop() if sampler else {}})
         barrier()
     steady += [train_step() for _ in range(args.steps)]  # steady again: the machine drifts
     mine = {"rank": rank, "params": sum(p.numel() for p in model.parameters()), "config": vars(cfg),
@@ -269,6 +274,50 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         Path(args.result).write_text(json.dumps(everyone))
     dist.destroy_process_group()
+
+
+class _PersistSampler:
+    """Where the persist thread is, every `every` seconds: (seconds since the save call, its innermost frames
+    of our code and torch's), and each garbage collection meanwhile (its start, generation, seconds, thread).
+    With the steps' start times it shows which part of a persist slows which steps."""
+
+    def __init__(self, thread: threading.Thread | None, every: float, t0: float):
+        import gc
+
+        self.samples: list[tuple[float, str]] = []
+        self.collections: list[tuple[float, int, float, str]] = []
+        self._started: dict[int, float] = {}
+
+        def on_gc(phase: str, info: dict[str, Any]) -> None:
+            now = time.monotonic()
+            if phase == "start":
+                self._started[threading.get_ident()] = now
+            elif (began := self._started.pop(threading.get_ident(), None)) is not None:
+                self.collections.append((round(began - t0, 4), info["generation"], round(now - began, 4),
+                                         threading.current_thread().name))
+
+        self._on_gc = on_gc
+        gc.callbacks.append(on_gc)
+        self.done = threading.Event()
+        self.runner = threading.Thread(target=self._run, args=(thread, every, t0), daemon=True)
+        self.runner.start()
+
+    def _run(self, thread: threading.Thread | None, every: float, t0: float) -> None:
+        while thread is not None and thread.is_alive() and not self.done.wait(every):
+            frame = sys._current_frames().get(thread.ident or -1)
+            names = []
+            while frame is not None and len(names) < 3:
+                names.append(f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_name}:{frame.f_lineno}")
+                frame = frame.f_back
+            self.samples.append((round(time.monotonic() - t0, 4), " < ".join(names)))
+
+    def stop(self) -> dict[str, list[Any]]:
+        import gc
+
+        self.done.set()
+        self.runner.join()
+        gc.callbacks.remove(self._on_gc)
+        return {"frames": self.samples, "collections": self.collections}
 
 
 def _tensors(obj: Any) -> list[Any]:
@@ -313,7 +362,12 @@ def summarise(ranks: list[dict[str, Any]], wall_s: float, args: argparse.Namespa
         "shard_bytes": [r["shard_bytes"] for r in ranks],
         "async_rss_increase_mb": [round(r["async_rss_increase_mb"]) for r in ranks],  # after the saves, at rest
         "raw": {"copy_floor_s": copy_s, "sync_s": sync_s, "raw_write_s": raw_s, "load_s": load_s,
-                "plain_read_s": read_s, "async_blocking_s": blocking, "async_to_commit_s": commit},
+                "plain_read_s": read_s, "async_blocking_s": blocking, "async_to_commit_s": commit,
+                # rank 0's: each async save's steps (start since the call, duration) and, with --sample-ms,
+                # where its persist thread was
+                "rank0_steady_steps_s": ranks[0]["steady_steps_s"],
+                "rank0_asyncs": [{k: a[k] for k in ("steps_s", "step_starts_s", "persist_samples")}
+                                 for a in ranks[0]["asyncs"]]},
     }
 
 
@@ -424,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--saves", type=int, default=4, help="sync saves, loads and async saves to time")
     p.add_argument("--tmp", default=None, help="parent of the temp checkpoint folder (default: the system's)")
     p.add_argument("--out", type=Path, default=RESULTS / "checkpoint_save.json")
+    p.add_argument("--sample-ms", type=float, default=0.0,
+                   help="sample where each async save's persist thread is every this many ms (raw JSON: "
+                        "persist_samples beside step_starts_s), to see which part of a persist slows the steps")
     args = p.parse_args(argv)
     if args.worker:
         worker(args)

@@ -173,6 +173,47 @@ def test_a_registered_arena_is_unregistered_once_when_the_layout_changes(monkeyp
     assert [c for c, _ in calls].count("unregister") == 1
 
 
+def test_the_local_save_plan_is_made_once_per_layout_and_every_save_still_holds_its_own_values(
+        ctx, tmp_path, monkeypatch):
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from train_entry.checkpoint import Checkpointer
+
+    made = []
+    plan = DefaultSavePlanner.create_local_plan
+    monkeypatch.setattr(DefaultSavePlanner, "create_local_plan", lambda self: made.append(1) or plan(self))
+    ckpt = Checkpointer(tmp_path, ctx, async_save=True)
+    live = state(ctx)
+    saved = {}
+    for step in (1, 2, 3):  # one layout, new values each time
+        live["model"]["w"].to_local().add_(1.0)
+        live["ids"].add_(step)
+        saved[step] = flat(copy_of(live))
+        ckpt.save(step, lambda: live, sync=False)
+    ckpt.wait()
+    assert len(made) == 1
+    live["ids"] = torch.arange(12, dtype=torch.int64)  # a new shape: a new plan
+    ckpt.save(4, lambda: live, sync=False)
+    live["extra"] = torch.ones(3)  # a new name: a new plan
+    ckpt.save(5, lambda: live, sync=False)
+    ckpt.wait()
+    assert len(made) == 3
+    saved[5] = flat(copy_of(live))
+    for step in (1, 2, 3, 5):
+        template = state(ctx)
+        if step == 5:
+            template["ids"], template["extra"] = torch.zeros(12, dtype=torch.int64), torch.zeros(3)
+        loaded = ckpt.load(tmp_path / store.step_dirname(step), lambda keys, t=template: t)
+        assert_equal(flat(loaded), saved[step])
+
+
+def copy_of(sd: dict) -> dict:
+    import copy
+
+    return copy.deepcopy(sd)
+
+
 def test_a_load_read_in_many_small_pieces_at_once_is_bitwise_and_a_short_file_stops_it_with_no_reader_left(
         ctx, tmp_path, monkeypatch):
     """Pieces of 40 bytes, three in flight: every tensor spans many pieces, read out of order by the threads."""
