@@ -271,22 +271,31 @@ def test_save_pause_parsing():
 def test_saves_and_loads_run_without_automatic_garbage_collection_and_restore_it_after_even_on_failure(ctx,
                                                                                                       tmp_path):
     """A full collection on one rank inside a save or a load stalls every rank at DCP's next collective
-    (0.14-0.2 s; in 2 of 6 loads and 2 of 6 sync saves of the checkpoint benchmark before this)."""
+    (0.14-0.2 s; in 2 of 6 loads and 2 of 6 sync saves of the checkpoint benchmark before this); inside a
+    background persist it holds the interpreter while the training thread steps."""
     import gc
 
     from train_entry.checkpoint import Checkpointer
 
     ckpt = Checkpointer(tmp_path, ctx, async_save=True)
-    during_saves = []
+    during_saves, persisting = [], []
 
     def state_dict():
         during_saves.append(gc.isenabled())
         return state(ctx)
 
+    persist = ckpt._persist
+
+    def watched(*args, **kwargs):
+        persisting.append(gc.isenabled())
+        return persist(*args, **kwargs)
+
+    ckpt._persist = watched
     ckpt.save(1, state_dict, sync=True)
-    ckpt.save(2, state_dict, sync=False)  # its staging, in the caller's thread
+    ckpt.save(2, state_dict, sync=False)  # its staging, in the caller's thread; its persist, in the background
+    ckpt.save(3, state_dict, sync=False)  # opens its pause while the last persist may still hold one
     ckpt.wait()
-    assert during_saves == [False, False] and gc.isenabled()
+    assert during_saves == [False, False, False] and persisting == [False, False, False] and gc.isenabled()
     seen = []
 
     def template(keys):
