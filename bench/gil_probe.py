@@ -79,17 +79,20 @@ def both():
 def measure(loop, job):
     stop = threading.Event()
     rate = []
-    t = threading.Thread(target=lambda: rate.append(loop(stop)))
+    t = threading.Thread(target=lambda: rate.append(loop(stop)), daemon=True)
     t.start()
     t0 = time.perf_counter()
-    if job:
-        job()
-    else:
-        time.sleep(1.0)
-    el = time.perf_counter() - t0
-    stop.set()
-    t.join()
+    try:
+        if job:
+            job()
+        else:
+            time.sleep(1.0)
+    finally:  # a failed job stops the loop too (it spun on, a core taken, after an O_DIRECT refusal)
+        el = time.perf_counter() - t0
+        stop.set()
+        t.join()
     return rate[0], el
+
 
 jobs = [("hash", hash_job), ("write O_DIRECT", lambda: write_job(True)), ("write buffered", lambda: write_job(False)),
         ("hash+write", both)]
