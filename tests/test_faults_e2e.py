@@ -109,7 +109,9 @@ def test_a_straggler_is_reported_not_killed(tmp_path):
     run_dir = tmp_path / "run"
     # Attribution needs an agreement every step (the default for steps of half a second or more): between
     # agreements the others wait for the straggler inside FSDP's own collectives, where nobody measures.
-    argv = run_job(run_dir, steps=60, sleep=0.0, extra_args=("--test-slow-rank", "1:0.1", "--sync-every", "1"))
+    # Rank 1 sleeps 0.3 s a step, so its own rate is below half the other's while a step's own work takes under
+    # 0.3 s: with 0.1 s the two full suites of 2026-11-27 (two workers) saw 4.75 against 9.20 steps/s, and no note.
+    argv = run_job(run_dir, steps=60, sleep=0.0, extra_args=("--test-slow-rank", "1:0.3", "--sync-every", "1"))
     with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
         def noted() -> dict | None:
             return next((r for r in state(run_dir).get("ranks", []) if r.get("note")), None)
