@@ -390,7 +390,7 @@ class RawReader(StorageReader):
                 slow.append(req)
         for lo, hi, group in _ranges(slow, self.storage_data):
             buf = bytearray(hi - lo)
-            _pread_into(f, lo, memoryview(buf))
+            _pread_at(f, lo, memoryview(buf))
             for req in group:
                 info = self.storage_data[req.storage_index]
                 piece = memoryview(buf)[info.offset - lo:info.offset - lo + info.length]
@@ -503,16 +503,6 @@ def _pread_at(f: Any, offset: int, view: memoryview) -> None:
     """`view` filled from `f` at `offset` without its file position (several threads read one file)."""
     while view:
         n = os.preadv(f.fileno(), [view[:CHUNK]], offset)
-        if not n:
-            raise EOFError(f"{f.name}: ends before byte {offset} + {len(view)}")
-        view = view[n:]
-        offset += n
-
-
-def _pread_into(f: Any, offset: int, view: memoryview) -> None:
-    f.seek(offset)
-    while view:
-        n = f.readinto(view[:CHUNK])
         if not n:
             raise EOFError(f"{f.name}: ends before byte {offset} + {len(view)}")
         view = view[n:]
