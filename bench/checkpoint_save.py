@@ -25,6 +25,7 @@ noisy: compare figures from the same run only.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -282,8 +283,6 @@ class _PersistSampler:
     With the steps' start times it shows which part of a persist slows which steps."""
 
     def __init__(self, thread: threading.Thread | None, every: float, t0: float):
-        import gc
-
         self.samples: list[tuple[float, str]] = []
         self.collections: list[tuple[float, int, float, str]] = []
         self._started: dict[int, float] = {}
@@ -312,8 +311,6 @@ class _PersistSampler:
             self.samples.append((round(time.monotonic() - t0, 4), " < ".join(names)))
 
     def stop(self) -> dict[str, list[Any]]:
-        import gc
-
         self.done.set()
         self.runner.join()
         gc.callbacks.remove(self._on_gc)

@@ -265,9 +265,10 @@ def _collection_paused() -> Iterator[None]:
     collection, which in a process whose objects nobody froze (the prewarm server freezes its imports, so a
     relaunched rank's walk is short) walks ~250k of them: 0.14-0.2 s measured, on one rank at a time, while
     the others wait in DCP's next collective. A background persist runs inside one too: its ~60 collections
-    a save (a full one of 0.24 s among them, measured on this 2-core VM) ran holding the interpreter, and the
-    training thread's step beside it on an H100 took 0.07-0.29 s against 0.04; paused, the persist's short-lived
-    objects are freed by reference counting before any collection promotes them. Pausing is process-wide, so
+    a save (a full one of 0.24 s among them, measured on a 2-core VM) ran holding the interpreter while the
+    training thread stepped; paused, the persist's short-lived objects are freed by reference counting before
+    any collection promotes them. (On an H100 the step beside a persist's start took 0.07-0.29 s against 0.04;
+    whether this pause removes that was not measured there.) Pausing is process-wide, so
     the pauses are counted: the last one to close restores what the first one found."""
     global _pauses, _was_enabled
     with _pauses_lock:
