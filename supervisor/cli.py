@@ -6,6 +6,7 @@ code (or as JSON on stdout under --json). RESILIENT_DEBUG=1 prints the traceback
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -231,6 +232,11 @@ def rdzv_store(
 
 def main() -> None:
     """Console-script entry point."""
+    # A name no encoding can print (a lone surrogate a marker may carry, an undecodable byte in a file name read
+    # back as one) is shown escaped (\udcff), not a UnicodeEncodeError halfway through a table.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):  # replaced or closed by a caller
+            stream.reconfigure(errors="backslashreplace")
     try:
         app()
     except KeyboardInterrupt:

@@ -742,3 +742,26 @@ def test_inspect_of_a_quarantined_folder_reports_that_folder_not_its_steps_new_t
     doc = json.loads(r.stdout)
     assert r.exit_code == 1 and doc["selected_step"] == 100, r.output
     assert cli("inspect-checkpoint", tmp_path / store.step_dirname(100)).exit_code == 0
+
+
+def test_names_no_encoding_can_print_are_shown_escaped(tmp_path):
+    """A marker that names a lone surrogate (its checksum over it intact) and a file whose name is not UTF-8:
+    the text views crashed with UnicodeEncodeError halfway through the table."""
+    from tests.proc import child_env
+
+    root = tmp_path / "ckpt"
+    named = write_checkpoint(root, 10)
+    marker = named / store.MARKER
+    doc = json.loads(marker.read_bytes())
+    doc.pop("marker_checksum")
+    doc["files"][0]["name"] = "\ud800x"
+    doc["marker_checksum"] = store._marker_checksum(doc, doc["checksum_algorithm"])
+    marker.write_text(json.dumps(doc))
+    stray = write_checkpoint(root, 20)
+    open(os.fsencode(stray) + b"/\xff", "wb").close()
+    for argv, code in ((["inspect-checkpoint", str(root)], 1), (["gc", str(root), "--keep", "1", "--dry-run"], 0)):
+        r = subprocess.run([sys.executable, "-m", "supervisor", *argv], capture_output=True, env=child_env(),
+                           timeout=60)
+        out = r.stdout.decode()
+        assert r.returncode == code and b"Traceback" not in r.stderr, r
+        assert "\\ud800x is missing" in out and "unlisted file \\udcff" in out, out
