@@ -253,7 +253,28 @@ def _locate(node: yaml.Node, path: str, constructor: yaml.constructor.SafeConstr
     # YAML 1.1 reads an unquoted 1:4 as the base-60 integer 64; "MIN:MAX" must stay a string.
     if node.style is None and NNODES_RANGE_RE.match(node.value):
         return _Loc(node.value, where)
-    return _Loc(_construct(node, path, constructor), where)
+    value = _construct(node, path, constructor)
+    if node.style is None and (surprise := _yaml11_surprise(node.value, node.tag, value)):
+        raise ConfigError(f"{where}: {surprise}")
+    return _Loc(value, where)
+
+
+OCTAL_RE = re.compile(r"^[-+]?0[0-7_]+$")  # YAML 1.1's octal integers: 010 is 8
+
+
+def _yaml11_surprise(text: str, tag: str, value: Any) -> str | None:
+    """Half a sentence for a plain number YAML 1.1 reads other than as written (010 is 8, 1:30:00 is 5400),
+    with the fix; None for any other value."""
+    if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float"):
+        return None
+    if ":" in text:
+        how = "a base-60 number"
+    elif tag.endswith(":int") and OCTAL_RE.match(text):
+        how = "an octal number"
+    else:
+        return None
+    return (f"YAML 1.1 reads {text} as {how}, {value}; write the number you mean without leading zeros or "
+            f"colons ({value}, if that is it), or quote it to keep it as text.")
 
 
 def _construct(node: yaml.Node, path: str, constructor: yaml.constructor.SafeConstructor) -> Any:
@@ -599,6 +620,10 @@ def parse_override(text: str) -> Override:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except (yaml.YAMLError, ValueError, OverflowError, TypeError, RecursionError):  # `2024-13-45`, `!!int abc`
         raise ConfigError(f"--set {text}: the value is not valid YAML, or YAML cannot read it; quote it.") from None
+    plain = raw.strip()
+    tag = yaml.resolver.Resolver().resolve(yaml.ScalarNode, plain, (True, False))
+    if surprise := _yaml11_surprise(plain, tag, value):
+        raise ConfigError(f"--set {text}: {surprise}")
     return Override(key, value, text)
 
 

@@ -231,6 +231,13 @@ BAD = {
     "a join timeout of nan": ("name: x\nentrypoint: {module: m}\nrdzv:\n  conf: {join_timeout: .nan}\n", None, 4,
                               ["rdzv.conf.join_timeout must be a number of seconds > 0"]),
     "a folder as the script": ("name: x\nentrypoint:\n  script: .\n", None, 3, ["is a folder, not a Python file"]),
+    "a count with a leading zero (octal to YAML 1.1)": ("name: x\nentrypoint: {module: m}\ncheckpoint: {keep: 010}\n",
+                                                        None, 3, ["YAML 1.1 reads 010 as an octal number, 8", "quote"]),
+    "a timeout in hours:minutes:seconds": ("name: x\nentrypoint: {module: m}\nheartbeat:\n  timeout_s: 1:30:00\n",
+                                           None, 4, ["reads 1:30:00 as a base-60 number, 5400"]),
+    "an argument that YAML reads as base 60": ("name: x\nentrypoint:\n  module: m\n  args: [--time, 1:30:00]\n", None,
+                                               4, ["base-60", "quote it to keep it as text"]),
+    "--set with an octal-looking count": (GOOD, "checkpoint.keep=010", None, ["--set checkpoint.keep=010: YAML 1.1"]),
     "--set that refers to itself": (GOOD, "name=&a [*a]", None, ["--set name=&a [*a]: the value refers to itself"]),
     "--set with a date that is no date": (GOOD, "name=2024-13-45", None, ["YAML cannot read it; quote it"]),
 }
