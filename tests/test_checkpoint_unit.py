@@ -356,3 +356,28 @@ def test_small_values_rank_0_shares_are_written_by_rank_0_and_the_others_by_whoe
     assert {"train", "model.bn", "model.stage0"} <= held[0] and "model.stage1" in held[1]
     assert not {"train", "model.bn"} & held[1] and len([h for h in held if "model.big" in h]) == 1
     assert set(metadata.state_dict_metadata) == {"train", "model.bn", "model.big", "model.stage0", "model.stage1"}
+
+
+def test_a_collection_pause_ends_after_its_limit_even_while_a_save_still_holds_it(monkeypatch):
+    """A persist to a slow disk kept collection off for as long as it ran (minutes), holding every cycle the
+    training thread made meanwhile."""
+    import gc
+
+    from tests.proc import wait_for
+    from train_entry import checkpoint
+
+    assert gc.isenabled()
+    monkeypatch.setattr(checkpoint, "PAUSE_LIMIT_S", 0.3)
+    with checkpoint._collection_paused():
+        assert not gc.isenabled()
+        with checkpoint._collection_paused():  # a second save's pause opens inside the first
+            wait_for(gc.isenabled, 10, "collection to run again after the pause's limit")
+        assert gc.isenabled()
+    assert gc.isenabled() and checkpoint._lifter is None
+    monkeypatch.setattr(checkpoint, "PAUSE_LIMIT_S", 60.0)
+    with checkpoint._collection_paused():  # a short one is not cut short, and leaves no timer behind
+        assert not gc.isenabled()
+        lifter = checkpoint._lifter
+        assert lifter is not None and lifter.is_alive()
+    lifter.join(5)
+    assert gc.isenabled() and not lifter.is_alive() and checkpoint._lifter is None

@@ -257,6 +257,8 @@ class Checkpointer:
 _pauses = 0  # how many _collection_paused() are open, in any thread
 _pauses_lock = threading.Lock()
 _was_enabled = False  # automatic collection's state when the first of them opened
+_lifter: threading.Timer | None = None  # ends a pause that has lasted PAUSE_LIMIT_S
+PAUSE_LIMIT_S = 30.0  # a persist to a slow disk must not keep the training thread's cyclic garbage for minutes
 
 
 @contextlib.contextmanager
@@ -269,20 +271,37 @@ def _collection_paused() -> Iterator[None]:
     training thread stepped; paused, the persist's short-lived objects are freed by reference counting before
     any collection promotes them. (On an H100 the step beside a persist's start took 0.07-0.29 s against 0.04;
     whether this pause removes that was not measured there.) Pausing is process-wide, so
-    the pauses are counted: the last one to close restores what the first one found."""
-    global _pauses, _was_enabled
+    the pauses are counted: the last one to close restores what the first one found. And bounded: the
+    training thread's cyclic garbage waits for the pause's end, so a pause still open after PAUSE_LIMIT_S
+    (a persist to a slow disk) lets collection run again."""
+    global _pauses, _was_enabled, _lifter
     with _pauses_lock:
         if _pauses == 0:
             _was_enabled = gc.isenabled()
             gc.disable()
+            if _was_enabled:
+                _lifter = threading.Timer(PAUSE_LIMIT_S, _lift_pause)
+                _lifter.daemon = True
+                _lifter.start()
         _pauses += 1
     try:
         yield
     finally:
         with _pauses_lock:
             _pauses -= 1
-            if _pauses == 0 and _was_enabled:
-                gc.enable()
+            if _pauses == 0:
+                if _lifter is not None:
+                    _lifter.cancel()
+                    _lifter = None
+                if _was_enabled:
+                    gc.enable()
+
+
+def _lift_pause() -> None:
+    with _pauses_lock:
+        if _pauses > 0 and _was_enabled and not gc.isenabled():
+            log.info("garbage collection paused for a save for %.0fs: collecting again", PAUSE_LIMIT_S)
+            gc.enable()
 
 
 def _write_durably(path: Path, data: bytes) -> store.FileRecord:
