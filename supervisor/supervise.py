@@ -1,12 +1,12 @@
 """The supervision loop: choose a checkpoint, run an attempt, decide, relaunch.
 
     while True:
-        choice   = newest valid checkpoint (checked as the job says; corrupt newer ones set aside)
+        choice   = newest valid checkpoint, corrupt newer ones set aside (supervisor/resume.py)
         outcome  = Attempt(...).run()        launch, watch, stop (supervisor/attempt.py)
         decision = finished? stopped? else the restart policy (supervisor/policy.py)
 
 The Supervisor owns what outlives one attempt: the run's record and state file, the history, goodput
-accounting, the `auto` interval, retention, and the checkpoints it sets aside.
+accounting, the `auto` interval, retention and the local tier's replicator.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from supervisor.fsutil import atomic_write_json
 from supervisor.goodput import Accounting
 from supervisor.interval import IntervalTuner
 from supervisor.layout import RunLayout, recorded, state_files
-from supervisor.policy import LoadFailure, RestartPolicy
+from supervisor.policy import RestartPolicy
 from supervisor.protocol import (
     CommitRecord,
     Control,
@@ -43,6 +43,7 @@ from supervisor.protocol import (
 )
 from supervisor.rdzv import Generations, run_id
 from supervisor.replicate import Replicator
+from supervisor.resume import ResumeChooser
 from supervisor.state import AttemptRecord, RunRecord, RunState
 
 log = logging.getLogger("resilient")
@@ -50,28 +51,6 @@ log = logging.getLogger("resilient")
 STATE_EVERY_S = 1.0
 NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})  # a run dir that takes no more writes
 REPLICATION_DRAIN_S = 600.0  # a finished run waits this long at most for its last durable copies
-
-
-def choose_resume(root: Any, verify: str, below: int | None = None, below_why: str | None = None) -> ResumeChoice:
-    """The newest valid checkpoint (strictly below `below` if given, for `below_why`), and why newer folders were
-    skipped."""
-    skipped: list[tuple[str, str]] = []
-    corrupt: list[store.CheckpointInfo] = []
-    if not root.is_dir():
-        return ResumeChoice(None, None, skipped)
-    for path in reversed(store.checkpoint_dirs(root)):
-        info = store.inspect(path, deep=verify == "checksum" and not path.name.endswith(store.PARTIAL_SUFFIX))
-        if below is not None and info.step >= below:
-            if info.valid:
-                skipped.append((path.name, below_why or f"rolled back past it (a non-finite loss followed step "
-                                                        f"{below})"))
-            continue
-        if info.valid:
-            return ResumeChoice(info.step, info.path, skipped, corrupt)
-        skipped.append((path.name, f"{info.status.value}: {info.reason}"))
-        if info.status is store.Status.CORRUPT and not info.partial:
-            corrupt.append(info)
-    return ResumeChoice(None, None, skipped, corrupt)
 
 
 class Supervisor:
@@ -109,9 +88,7 @@ class Supervisor:
                                       keep_local=ck.keep_local, keep=ck.keep, outage_s=ck.durable_outage_s,
                                       announce=lambda text, style: self.console.event(text, style=style))
                            if self.local_root is not None else None)
-        self._local_step: int | None = None
-        # A whole checkpoint the ranks failed to load twice: passed over, set aside once an older one loads.
-        self._suspect: tuple[int, str] | None = None
+        self.resume = ResumeChooser(ck, self.local_root, self.console, self._quarantined, self._next_attempt_number)
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -183,7 +160,7 @@ class Supervisor:
         while True:
             if self._stop_signal is not None:
                 return self._stopped(None)
-            choice = self._choose(below)
+            choice = self.resume.choose(below)
             if first:  # after the choice has set aside what it found corrupt: never trim good ones for those
                 self._retain_at_start(choice.step)
                 first = False
@@ -202,7 +179,7 @@ class Supervisor:
             if not decision.relaunch:
                 return self._failed(decision.message, outcome, spec)
             if self._stop_signal is not None:  # the stop came with the failure: no restart to announce or count
-                self._set_aside(decision)
+                self.resume.set_aside(decision)
                 return self._stopped(None)
             below = self._before_relaunch(decision)
 
@@ -233,30 +210,8 @@ class Supervisor:
                               owner_alive=True)
         return retention.apply(plan) if plan.remove else None
 
-    def _choose(self, below: int | None) -> ResumeChoice:
-        """The newest valid checkpoint; a committed one found corrupt on the way is set aside for good (a
-        rerun must not trip over it again), the older ones are left to retention."""
-        why = None
-        if self._suspect is not None:
-            below = min(below, self._suspect[0]) if below is not None else self._suspect[0]
-            if below == self._suspect[0]:
-                why = f"passed over: {self._suspect[1]}"
-        choice = self._choose_in(self.cfg.checkpoint.dir, below, why)
-        if self.local_root is not None:  # the node's local tier: the ranks take it if every node has the step
-            local = self._choose_in(self.local_root, below, why)
-            self._local_step = local.step
-            choice.skipped += [(f"local {n}", w) for n, w in local.skipped]
-        return choice
-
-    def _choose_in(self, root: Any, below: int | None, below_why: str | None = None) -> ResumeChoice:
-        choice = choose_resume(root, self.cfg.checkpoint.verify, below, below_why)
-        for info in choice.corrupt:
-            moved = self._quarantine(info.path, f"{info.reason} (found before attempt "
-                                                f"{self._next_attempt_number()})")
-            if moved is not None:
-                choice.skipped = [(n, f"{w}; set aside as {moved.name}" if n == info.path.name else w)
-                                  for n, w in choice.skipped]
-        return choice
+    def _quarantined(self, entry: dict[str, Any]) -> None:
+        self.record.quarantined = [*self.record.quarantined, entry]
 
     def _next_attempt_number(self) -> int:
         """After the last recorded attempt, and after every attempt's logs folder (a history lost with a damaged
@@ -275,7 +230,7 @@ class Supervisor:
         return Handover(
             run_dir=str(c.run_dir), node=self.layout.node, attempt=spec.attempt, ckpt_dir=str(c.checkpoint.dir),
             ckpt_local_dir=str(self.local_root) if self.local_root is not None else None,
-            local_resume_step=self._local_step,
+            local_resume_step=self.resume.local_step,
             ckpt_interval=c.checkpoint.interval_steps, ckpt_async=c.checkpoint.async_save,
             resume_step=spec.resume_step, resume_path=str(spec.resume_path) if spec.resume_path else None,
             heartbeat_dir=str(spec.heartbeat_dir), heartbeat_interval_s=c.heartbeat.interval_s,
@@ -304,14 +259,14 @@ class Supervisor:
         for name, why in choice.skipped:
             self.console.event(f"skipping {name}: {why}", style="yellow")
         start = f"resuming from step {choice.step} ({choice.path.name})" if choice.path else "starting fresh"
-        if self.local_root is not None and self._local_step is not None and \
-                (choice.step is None or self._local_step >= choice.step):
-            start = (f"resuming from local step {self._local_step} if every node holds it, else "
+        if self.local_root is not None and self.resume.local_step is not None and \
+                (choice.step is None or self.resume.local_step >= choice.step):
+            start = (f"resuming from local step {self.resume.local_step} if every node holds it, else "
                      + (f"durable step {choice.step}" if choice.step is not None else "fresh"))
         self.console.event(f"attempt {spec.attempt}: launching {self.cfg.nnodes}×{self.cfg.nproc_per_node} ranks, "
                            f"{start}; logs in {spec.logs_dir}")
         rec = AttemptRecord(attempt=spec.attempt, started_at=time.time(), resumed_from_step=choice.step,
-                            offered_local_step=self._local_step,
+                            offered_local_step=self.resume.local_step,
                             log_dir=recorded(spec.logs_dir, self.cfg.run_dir),
                             skipped=[f"{n}: {w}" for n, w in choice.skipped] or None)
         self.accounting.launch(spec.attempt, rec.started_at, choice.step)
@@ -337,7 +292,7 @@ class Supervisor:
             outcome.step = self.record.step = logged
         rec.reason, rec.detail, rec.failed_rank = outcome.reason, outcome.detail, outcome.failed_rank
         rec.exit_code, rec.step_at_failure = outcome.exit_code, None if outcome.reason == api.FINISHED else outcome.step
-        newest = self._newest_step()  # authoritative, even if the step log lagged
+        newest = self.resume.newest_step()  # authoritative, even if the step log lagged
         self.record.last_checkpoint_step = rec.last_checkpoint_step = newest
         self.save_state()
         if outcome.reason not in (api.FINISHED, api.STOPPED):
@@ -416,11 +371,7 @@ class Supervisor:
         self.save_state(force=False)
 
     def on_resumed(self, step: int | None, tier: str | None, launched_at: float) -> None:
-        if self._suspect is not None:
-            suspect, why = self._suspect
-            self._suspect = None  # the ranks are past loading: the next relaunch chooses afresh
-            if step is not None and step < suspect:  # an older one loads where it did not: the checkpoint's fault
-                self._quarantine(self.cfg.checkpoint.dir / store.step_dirname(suspect), f"{why}; step {step} loads")
+        self.resume.resumed(step)
         if self.replicator is not None and tier == "durable":
             self.replicator.pass_over_older_timeline(step, launched_at)
 
@@ -441,23 +392,9 @@ class Supervisor:
             # whose ranks began (loading a large checkpoint, say) before the store went: the window starts now.
             began = self._launched_at if self.record.history[-1].world_size is None else None
             return self.policy.decide_rendezvous(outcome, self.clock(), began=began)
-        root = self.cfg.checkpoint.dir
-        # A checkpoint passed over (it failed to load) is no progress: counted as such, the crash-loop rule slept.
-        newest = store.latest_valid(root, below=self._suspect[0] if self._suspect is not None else None)
-        older = store.latest_valid(root, below=newest.step) if newest else None
-        newest_step = max((i.step for i in (newest, self._newest_local()) if i is not None), default=None)
-        started = max((s for s in (choice.step, self._local_step) if s is not None), default=None)
-        progressed = newest_step is not None and (started is None or newest_step > started)
-        return self.policy.decide(outcome, progressed=progressed, newest_valid=newest.step if newest else None,
-                                  older_valid=older.step if older else None, load=self._load_failure(outcome, choice))
-
-    def _newest_local(self) -> store.CheckpointInfo | None:
-        return store.latest_valid(self.local_root) if self.local_root is not None else None
-
-    def _newest_step(self) -> int | None:
-        """The newest valid checkpoint in either tier."""
-        return max((i.step for i in (store.latest_valid(self.cfg.checkpoint.dir), self._newest_local())
-                    if i is not None), default=None)
+        progressed, newest, older = self.resume.progress(choice)
+        return self.policy.decide(outcome, progressed=progressed, newest_valid=newest, older_valid=older,
+                                  load=self.resume.load_failure(outcome, choice))
 
     def _next_generation(self, outcome: AttemptOutcome) -> None:
         """torchrun closed the rendezvous it formed (or found it closed): relaunch in the next one. A launch
@@ -467,28 +404,9 @@ class Supervisor:
         if outcome.reason != api.RENDEZVOUS or "Closed" in outcome.detail:
             self._generation = self.generations.after(self._generation)
 
-    def _load_failure(self, outcome: AttemptOutcome, choice: ResumeChoice) -> LoadFailure | None:
-        """The ranks could not load their checkpoint: is it bad (a full check), and what is older?"""
-        if outcome.reason != api.CHECKPOINT_LOAD:
-            return None
-        step = outcome.checkpoint_step if outcome.checkpoint_step is not None else choice.step
-        if step is None:
-            return None
-        if outcome.checkpoint_tier == "local" and self.local_root is not None:
-            return LoadFailure(step, "the ranks could not load this node's local copy", None, local=True)
-        root = self.cfg.checkpoint.dir
-        path = root / store.step_dirname(step)
-        self.console.event(f"checking every byte of {path.name}, which the ranks could not load", style="yellow")
-        info = store.inspect(path, deep=True) if path.is_dir() else None
-        older = store.latest_valid(root, below=step)
-        # Unreadable here says nothing of its bytes: it is set aside only as whole yet failing to load twice.
-        whole = info is not None and (info.valid or info.status is store.Status.UNREADABLE)
-        corrupt = None if whole else (info.reason if info else "the folder is gone")
-        return LoadFailure(step, corrupt, older.step if older else None)
-
     def _before_relaunch(self, decision: Decision) -> int | None:
         """Set aside what the decision says, wait the backoff; returns the step to resume below, if any."""
-        self._set_aside(decision)
+        self.resume.set_aside(decision)
         self._transition(RunState.RESTARTING)
         if decision.resume_below is not None and not decision.quarantine_once_older_loads:
             self.console.event(f"rolling back: resuming below step {decision.resume_below} once", style="yellow")
@@ -496,27 +414,6 @@ class Supervisor:
         if self._wake.wait(decision.wait_s):
             self._wake.clear()
         return decision.resume_below
-
-    def _set_aside(self, decision: Decision) -> None:
-        if decision.quarantine_once_older_loads and decision.quarantine_step is not None:
-            self._suspect = (decision.quarantine_step, decision.quarantine)
-            self.console.event(f"passing over step {decision.quarantine_step}: {decision.quarantine}; it is set "
-                               "aside once an older checkpoint loads", style="yellow")
-        elif decision.quarantine_step is not None:
-            root = self.local_root if decision.quarantine_local and self.local_root else self.cfg.checkpoint.dir
-            self._quarantine(root / store.step_dirname(decision.quarantine_step), decision.quarantine)
-
-    def _quarantine(self, path: Any, reason: str) -> Any:
-        """Rename a checkpoint aside with its reason (never delete it); None if another node did it first."""
-        try:
-            moved = store.quarantine(path, reason)
-        except OSError as e:
-            self.console.event(f"could not set {path.name} aside ({e.strerror}); it stays where it is", style="red")
-            return None
-        self.console.event(f"set {path.name} aside as {moved.name}: {reason}", style="yellow")
-        self.record.quarantined = [*self.record.quarantined, {"step": int(path.name[5:14]), "path": moved.name,
-                                                              "reason": reason, "at": time.time()}]
-        return moved
 
     # ---- endings ----------------------------------------------------------------------------------
 
@@ -534,7 +431,7 @@ class Supervisor:
     def _settle(self) -> None:
         """The run ends without finishing: the steps beyond the newest valid checkpoint are lost (a rerun redoes
         them), charged now rather than only by a rerun."""
-        self.accounting.settle(self._newest_step())
+        self.accounting.settle(self.resume.newest_step())
         self._sync_lost_steps()
 
     def _stopped(self, outcome: AttemptOutcome | None) -> int:

@@ -779,7 +779,7 @@ def test_a_checkpoint_unreadable_after_a_failed_load_is_not_called_corrupt(tmp_p
 
     from supervisor import api, store
     from supervisor.api import AttemptOutcome
-    from supervisor.supervise import Supervisor
+    from supervisor.resume import ResumeChooser
     from tests.ckpt_helpers import write_checkpoint
 
     root = tmp_path / "ckpt"
@@ -790,10 +790,10 @@ def test_a_checkpoint_unreadable_after_a_failed_load_is_not_called_corrupt(tmp_p
     doc["checksum_algorithm"] = "crc32c"
     marker.write_text(json.dumps(doc))
     monkeypatch.setitem(sys.modules, "crc32c", None)
-    me = SimpleNamespace(cfg=SimpleNamespace(checkpoint=SimpleNamespace(dir=root)), local_root=None,
-                         console=SimpleNamespace(event=lambda *a, **k: None))
-    failure = Supervisor._load_failure(me, AttemptOutcome(api.CHECKPOINT_LOAD, "could not load", checkpoint_step=20),
-                                       SimpleNamespace(step=20))
+    chooser = ResumeChooser(SimpleNamespace(dir=root, verify="size"), None, SimpleNamespace(event=lambda *a, **k: None),
+                            quarantined=lambda entry: None, next_attempt=lambda: 2)
+    failure = chooser.load_failure(AttemptOutcome(api.CHECKPOINT_LOAD, "could not load", checkpoint_step=20),
+                                   SimpleNamespace(step=20))
     assert failure.step == 20 and failure.corrupt is None and failure.older_valid == 10
 
 
@@ -869,15 +869,15 @@ def test_a_passed_over_checkpoint_is_no_progress_and_set_aside_only_once_an_olde
     for step in (20, 40):
         write_checkpoint(cfg.checkpoint.dir, step)
     sup = Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None)
-    sup._suspect = (40, "every byte checks, but the ranks failed to load it twice")
+    sup.resume.suspect = (40, "every byte checks, but the ranks failed to load it twice")
     choice = api.ResumeChoice(20, cfg.checkpoint.dir / store.step_dirname(20), [], [])
-    assert sup._choose(None).step == 20
+    assert sup.resume.choose(None).step == 20
     assert sup._decide(outcome(step=25), choice).relaunch and sup.policy.no_progress == 1
     stop = sup._decide(outcome(step=25), choice)
     assert not stop.relaunch and "crash loop" in stop.message
     sup.on_resumed(None, None, 0.0)  # a fresh start: nothing learnt about step 40, nothing set aside
-    assert sup._suspect is None and (cfg.checkpoint.dir / store.step_dirname(40)).is_dir()
-    sup._suspect = (40, "why")
+    assert sup.resume.suspect is None and (cfg.checkpoint.dir / store.step_dirname(40)).is_dir()
+    sup.resume.suspect = (40, "why")
     sup.on_resumed(20, "durable", 0.0)
     assert not (cfg.checkpoint.dir / store.step_dirname(40)).exists() and sup.record.quarantined[0]["step"] == 40
 
