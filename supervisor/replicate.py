@@ -39,7 +39,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ import psutil
 
 from supervisor import retention, store
 from supervisor.fsutil import CHUNK, HashedFile, atomic_write_bytes, file_identity, fsync_dir, page_aligned_buffer
+from supervisor.state import ReplicationState
 
 log = logging.getLogger("resilient")
 
@@ -56,36 +56,6 @@ RETRY_S = (2.0, 5.0, 15.0, 30.0, 60.0)
 PUBLISH_WAIT_S = 20.0  # at exit, how long a node waits for the other nodes' parts of its newest step
 REVISIT_S = 10.0  # how often a node looks again for a commit it was not told of, or a part of its a publish dropped
 PAUSE_ENV = "RESILIENT_TEST_REPLICATE_PAUSE_S"  # test hook: sleep after the first file of each step
-
-
-@dataclass
-class ReplicationState:
-    """What `status` shows about the two tiers (kept in the node's state file)."""
-
-    local_root: str
-    durable_root: str
-    newest_local: int | None = None
-    newest_local_at: float | None = None
-    newest_durable: int | None = None
-    newest_durable_at: float | None = None
-    pending: list[int] = field(default_factory=list)
-    failing_since: float | None = None
-    last_error: str | None = None
-    replicated: int = 0
-    bytes_copied: int = 0
-    seconds_copying: float = 0.0
-    deleted_unreplicated: list[int] = field(default_factory=list)
-    superseded: int = 0  # local checkpoints never copied: a newer one reached the durable tier first
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        behind = self.newest_local is not None and (self.newest_durable is None or
-                                                     self.newest_local > self.newest_durable)
-        d["lag_steps"] = (None if self.newest_local is None else
-                          self.newest_local - (self.newest_durable or 0) if behind else 0)
-        d["lag_s"] = (round(max(0.0, self.newest_local_at - self.newest_durable_at), 2)
-                      if self.newest_local_at and self.newest_durable_at else None)
-        return d
 
 
 def split_unreplicated(plan: retention.Plan, infos: list[store.CheckpointInfo],

@@ -91,6 +91,36 @@ class AttemptRecord:
 
 
 @dataclass
+class ReplicationState:
+    """What `status` shows about the two tiers (kept in the node's state file)."""
+
+    local_root: str
+    durable_root: str
+    newest_local: int | None = None
+    newest_local_at: float | None = None
+    newest_durable: int | None = None
+    newest_durable_at: float | None = None
+    pending: list[int] = field(default_factory=list)
+    failing_since: float | None = None
+    last_error: str | None = None
+    replicated: int = 0
+    bytes_copied: int = 0
+    seconds_copying: float = 0.0
+    deleted_unreplicated: list[int] = field(default_factory=list)
+    superseded: int = 0  # local checkpoints never copied: a newer one reached the durable tier first
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        behind = self.newest_local is not None and (self.newest_durable is None or
+                                                     self.newest_local > self.newest_durable)
+        d["lag_steps"] = (None if self.newest_local is None else
+                          self.newest_local - (self.newest_durable or 0) if behind else 0)
+        d["lag_s"] = (round(max(0.0, self.newest_local_at - self.newest_durable_at), 2)
+                      if self.newest_local_at and self.newest_durable_at else None)
+        return d
+
+
+@dataclass
 class RunRecord:
     """Everything `status` shows about one node's supervisor; serialised to state.json."""
 
@@ -268,12 +298,8 @@ SUMMARY_FIELDS: dict[str, Any] = {
     key: float for key in ("wall_s", "useful_s", "startup_s", "train_s", "checkpoint_blocking_s", "stalled_s",
                            "lost_steps", "lost_s", "tail_s", "down_s", "attempts", "goodput")
 }
-REPLICATION_FIELDS: dict[str, Any] = {  # replicate.ReplicationState, and the lag its to_dict() adds
-    "local_root": str, "durable_root": str, "newest_local": int, "newest_local_at": float, "newest_durable": int,
-    "newest_durable_at": float, "pending": list[int], "failing_since": float, "last_error": str, "replicated": int,
-    "bytes_copied": int, "seconds_copying": float, "deleted_unreplicated": list[int], "superseded": int,
-    "lag_steps": int, "lag_s": float,
-}
+# ReplicationState's fields, and the lag its to_dict() adds
+REPLICATION_FIELDS: dict[str, Any] = {**typing.get_type_hints(ReplicationState), "lag_steps": int, "lag_s": float}
 SUMMARY_SHOWN = ("wall_s", "useful_s", "startup_s", "checkpoint_blocking_s", "lost_steps", "lost_s", "tail_s",
                  "down_s")  # status's goodput line (timeline.summary_line) needs each of them
 
@@ -288,7 +314,7 @@ def _check_fields(where: str, d: Any, fields: dict[str, Any], required: tuple[st
             if d and key in required:
                 raise ValueError(f"{where}.{key}: missing")
         elif d[key] is not None and not _fits(d[key], hint):
-            raise ValueError(f"{where}.{key}: {d[key]!r:.60} is not {hint.__name__}")
+            raise ValueError(f"{where}.{key}: {d[key]!r:.60} is not {getattr(hint, '__name__', hint)}")
 
 
 def _check_types(obj: Any) -> None:

@@ -165,7 +165,7 @@ def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
 def test_status_of_a_killed_supervisors_tiered_run_counts_the_stop_checkpoint_its_ranks_left_locally(tmp_path, cli):
     """kill -9 of the supervisor: its ranks commit their stop checkpoint to the local tier. status said the older
     step the dead supervisor last wrote, while a rerun resumes from the local one."""
-    from supervisor.replicate import ReplicationState
+    from supervisor.state import ReplicationState
 
     for step in (740, 750):
         write_checkpoint(tmp_path / "checkpoints", step)
@@ -185,7 +185,7 @@ def test_status_of_a_killed_supervisors_tiered_run_counts_the_stop_checkpoint_it
 def test_status_says_which_local_steps_the_durable_tier_never_got(tmp_path, cli):
     """A durable tier slower than the saves: the replicator copied the newest and skipped the rest; status says
     so in the tiers line and in --json."""
-    from supervisor.replicate import ReplicationState
+    from supervisor.state import ReplicationState
 
     rep = ReplicationState(str(tmp_path / "local"), str(tmp_path / "checkpoints"), newest_local=140,
                            newest_local_at=time.time(), newest_durable=120, newest_durable_at=time.time() - 4,

@@ -17,8 +17,7 @@ from rich.text import Text
 from supervisor import layout, protocol, render, state, store, targets, timeline
 from supervisor.console import go_quiet
 from supervisor.errors import ExitCode, NotYetError, ResilientError, UsageError
-from supervisor.replicate import ReplicationState
-from supervisor.state import RunRecord, RunState
+from supervisor.state import ReplicationState, RunRecord, RunState
 
 ENDED_GRACE_S = 10.0
 
