@@ -178,7 +178,7 @@ def test_the_local_save_plan_is_made_once_per_layout_and_every_save_still_holds_
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from train_entry.checkpoint import Checkpointer
+    from train_entry.checkpoint import Checkpointer, CheckpointError
 
     made = []
     plan = DefaultSavePlanner.create_local_plan
@@ -186,23 +186,36 @@ def test_the_local_save_plan_is_made_once_per_layout_and_every_save_still_holds_
     ckpt = Checkpointer(tmp_path, ctx, async_save=True)
     live = state(ctx)
     saved = {}
-    for step in (1, 2, 3):  # one layout, new values each time
+    for step in (1, 2, 3):  # one layout, new values each time (the bytes and the text of new lengths too)
         live["model"]["w"].to_local().add_(1.0)
         live["ids"].add_(step)
+        live["rng.rank0"], live["train"] = bytes(range(step * 7)), f'{{"step": {10 ** step}}}'
         saved[step] = flat(copy_of(live))
         ckpt.save(step, lambda: live, sync=False)
     ckpt.wait()
-    assert len(made) == 1
+    assert len(made) == 1 and ckpt._saver.planned == 1
     live["ids"] = torch.arange(12, dtype=torch.int64)  # a new shape: a new plan
     ckpt.save(4, lambda: live, sync=False)
     live["extra"] = torch.ones(3)  # a new name: a new plan
     ckpt.save(5, lambda: live, sync=False)
     ckpt.wait()
-    assert len(made) == 3
+    assert len(made) == 3 and ckpt._saver.planned == 3
     saved[5] = flat(copy_of(live))
-    for step in (1, 2, 3, 5):
+    from train_entry import storage  # a save that fails forgets its plans: the next one plans again
+
+    write = storage.RawWriter.write_data
+    monkeypatch.setattr(storage.RawWriter, "write_data", lambda *a: (_ for _ in ()).throw(OSError(28, "full")))
+    with pytest.raises(CheckpointError, match="full"):
+        ckpt.save(6, lambda: live, sync=True)
+    assert not (tmp_path / store.step_dirname(6)).exists()
+    monkeypatch.setattr(storage.RawWriter, "write_data", write)
+    live["ids"].add_(100)
+    saved[7] = flat(copy_of(live))
+    ckpt.save(7, lambda: live, sync=True)
+    assert ckpt._saver.planned == 4
+    for step in (1, 2, 3, 5, 7):
         template = state(ctx)
-        if step == 5:
+        if step >= 5:
             template["ids"], template["extra"] = torch.zeros(12, dtype=torch.int64), torch.zeros(3)
         loaded = ckpt.load(tmp_path / store.step_dirname(step), lambda keys, t=template: t)
         assert_equal(flat(loaded), saved[step])

@@ -24,10 +24,12 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from supervisor import store
 from supervisor.protocol import CommitRecord
 from train_entry.dist import DistContext
+from train_entry.planned_save import PlannedSave
 from train_entry.staging import HostStager
 from train_entry.storage import Rank0Planner, RawReader, RawWriter
 
@@ -109,6 +111,7 @@ class Checkpointer:
         self._announced = 0  # the stager's allocations the log has told of
         # Small values several ranks offer come back as rank 0's (DDP's BatchNorm buffers): train_entry/storage.py.
         self._planner = Rank0Planner()
+        self._saver = PlannedSave(self._planner)  # DCP's save, its plans made once per layout
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.in_flight: int | None = None
@@ -132,7 +135,8 @@ class Checkpointer:
                         sd = self._stage(sd)
                     self._persist(step, sd, extra or {}, t0, blocking_s=None,
                                   arena=self._stager.arena if on_device else None)
-                except Exception as e:  # the same news as a failed background save: the supervisor classifies it
+                except (Exception, CheckpointException) as e:  # the news of a failed background save (DCP's
+                    # CheckpointException, each rank's error in it, is a BaseException): the supervisor classifies it
                     raise CheckpointError(f"checkpoint save failed: {e}") from e
                 return time.monotonic() - t0
             staged = self._stage(sd)
@@ -194,12 +198,11 @@ class Checkpointer:
                                after_data=(lambda: pause.maybe("mid_data", step, path)) if pause else None,
                                spares=self.root if self.local else None)
             try:
-                dcp.save(sd, storage_writer=writer, process_group=group, planner=self._planner)
+                self._saver.save(sd, writer, group)
             finally:  # the planner keeps the state it planned (views of the staging arena) until the next save:
                 self._planner.state_dict = {}  # a new layout's arena would be allocated beside the old one
-            # The files this rank wrote, checksummed as they were written (what dcp.save returns differs by
-            # release, and is not needed). With a local tier every node's folder needs every rank's small file
-            # and the metadata, so those travel too (their bytes: small).
+            # The files this rank wrote, checksummed as they were written. With a local tier every node's folder
+            # needs every rank's small file and the metadata, so those travel too (their bytes: small).
             mine = [store.FileRecord(f.name, f.size, f.digest) for f in writer.written]
             shared = {r.name: (path / r.name).read_bytes() for r in mine
                       if self.local and not r.name.endswith("_0.distcp")}

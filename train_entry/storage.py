@@ -75,29 +75,12 @@ class Rank0Planner(DefaultSavePlanner):
     different one from save to save. Here the small ones (up to SMALL bytes; not DTensor shards) come back as
     rank 0's; the big ones (a DDP model's parameters, the same on every rank) are still spread over the ranks, and
     a value rank 0 does not offer (a pipeline stage's) stays with the ranks that do. Decided on the coordinator,
-    which sees every rank's plan: so DCP's plan cache, which sends only the plans that changed, is off.
-
-    The local plan is made again only when the state's layout changed (`_plan_layout`): making it walks every
-    DTensor's shard geometry in Python, on the persist thread, holding the interpreter while the training
-    thread waits for it. On an H100 (a 166M-parameter FSDP2 GPT, about 400 items) the step that ran beside it
-    took 0.10-0.29 s against 0.04.
+    which sees every rank's plan: so DCP's plan cache, which sends only the plans that changed, is off (plans are
+    made once per layout one level up, by train_entry/planned_save.py).
     """
 
     def __init__(self) -> None:
         super().__init__(enable_plan_caching=False)
-        self._local: tuple[tuple[Any, ...], SavePlan] | None = None  # a layout, and the local plan made for it
-
-    def create_local_plan(self) -> SavePlan:
-        layout = _plan_layout(self.state_dict, self.is_coordinator)
-        if layout is None or self._local is None or self._local[0] != layout:
-            plan = super().create_local_plan()
-            self._local = (layout, plan) if layout is not None else None
-            return plan
-        plan = self._local[1]
-        if self.flatten_state_dict:  # this save's own mappings (the same names; DCP reads them back at load)
-            plan = dataclasses.replace(plan, planner_data=self.mappings)
-        self.plan = plan
-        return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> Any:
         first = {item.index for item in all_plans[0].items}
@@ -111,7 +94,7 @@ class Rank0Planner(DefaultSavePlanner):
         return super().create_global_plan(trimmed)
 
 
-def _plan_layout(sd: dict[str, Any], coordinator: bool) -> tuple[Any, ...] | None:
+def plan_layout(sd: dict[str, Any], coordinator: bool) -> tuple[Any, ...] | None:
     """All that DCP's local save plan of the flattened `sd` depends on: each name's kind, dtype, shapes, strides,
     placement on its mesh and the properties DCP records; None where a value plans itself some other way."""
     out: list[Any] = [coordinator]

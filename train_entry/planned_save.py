@@ -1,0 +1,139 @@
+"""DCP's save, planned once per layout.
+
+`dcp.save` plans every save from scratch: each rank's plan (a WriteItem per tensor, ~420 for an 8-layer FSDP2
+GPT with AdamW) is pickled to the coordinator, which builds and validates the global plan and scatters it back;
+after the writes, every rank's results are gathered and the whole metadata is broadcast back to every rank. In
+a background persist all of that holds the interpreter, a few milliseconds at a time, while the training thread
+waits for it: measured on a 2-core VM (one rank, 418 items), the persist took 130 ms of a Python loop's time
+per save, half of it in those exchanges.
+
+`PlannedSave` drives the same planner and storage writer through the same steps of the SavePlanner /
+StorageWriter protocol, with two differences:
+- when every rank's state has the layout of the last save that planned (`storage.plan_layout`: names, kinds,
+  dtypes, shapes, strides, placements), that save's plans and the coordinator's metadata are used again: one
+  all-reduce of one integer replaces the plan exchange. A save that fails on any rank forgets the plans on
+  every rank; the next one plans again.
+- after the coordinator has written the metadata, only its outcome goes back to the ranks, not the metadata.
+Errors travel as in DCP: each rank's exception, gathered on the coordinator, raised on every rank as one
+CheckpointException that names the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.stateful import Stateful
+
+from train_entry.storage import Rank0Planner, RawWriter, plan_layout
+
+
+@dataclass(frozen=True)
+class _Plans:
+    layout: tuple[Any, ...]
+    plan: SavePlan  # this rank's final plan
+    metadata: Metadata | None  # the coordinator's
+
+
+class PlannedSave:
+    """Saves through `planner` (one per checkpointer) on `group`; `planned` counts the saves that made plans."""
+
+    def __init__(self, planner: Rank0Planner):
+        self.planner = planner
+        self.planned = 0
+        self._last: _Plans | None = None
+
+    def save(self, state_dict: dict[str, Any], writer: RawWriter, group: dist.ProcessGroup) -> None:
+        try:
+            self._save(state_dict, writer, group)
+        except BaseException:
+            self._last = None  # on every rank: the failure reached them all (or the group is gone)
+            raise
+
+    def _save(self, state_dict: dict[str, Any], writer: RawWriter, group: dist.ProcessGroup) -> None:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        coordinator = dist.get_global_rank(group, 0)
+        is_coordinator = rank == 0
+        planner = self.planner
+        sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}  # as dcp.save
+        planner.set_up_planner(sd, storage_meta=writer.storage_meta(), is_coordinator=is_coordinator)
+        writer.set_up_storage_writer(is_coordinator)
+        layout = plan_layout(planner.state_dict, is_coordinator)
+        last, self._last = self._last, None  # kept again only by a save that succeeds
+        same = torch.tensor([int(layout is not None and last is not None and last.layout == layout)])
+        dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
+        if same.item() and last is not None:
+            plan, metadata = last.plan, last.metadata
+            if planner.flatten_state_dict:  # this save's own mappings (the same names)
+                plan = dataclasses.replace(plan, planner_data=planner.mappings)
+            planner.plan = plan
+        else:
+            plan, metadata = self._plan(planner, writer, group, rank, world, coordinator)
+            self.planned += 1
+
+        results = _attempt(lambda: writer.write_data(plan, planner).wait())
+        gathered: list[Any] | None = [None] * world if is_coordinator else None
+        dist.gather_object(results, gathered, dst=coordinator, group=group)
+        outcome: list[Any] = [None]
+        if gathered is not None:
+            failures = _failures(gathered)
+            if failures:
+                outcome[0] = CheckpointException("write", failures)
+            else:
+                assert metadata is not None
+                done = _attempt(lambda: writer.finish(metadata, [r for r, _ in gathered]))
+                if done[1] is not None:
+                    outcome[0] = CheckpointException("finish", {rank: done[1]})
+        dist.broadcast_object_list(outcome, src=coordinator, group=group)
+        if outcome[0] is not None:
+            raise outcome[0]
+        if layout is not None:
+            self._last = _Plans(layout, plan, metadata)
+
+    @staticmethod
+    def _plan(planner: Rank0Planner, writer: RawWriter, group: dist.ProcessGroup, rank: int, world: int,
+              coordinator: int) -> tuple[SavePlan, Metadata | None]:
+        """DCP's planning: local plans to the coordinator, the global plan back to each rank."""
+        local = _attempt(lambda: writer.prepare_local_plan(planner.create_local_plan()))
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(local, gathered, dst=coordinator, group=group)
+        scattered: list[Any] | None = None
+        metadata = None
+        if gathered is not None:
+            failures = _failures(gathered)
+            if failures:
+                scattered = [CheckpointException("plan", failures)] * world
+            else:
+                try:
+                    plans, metadata = planner.create_global_plan([p for p, _ in gathered])
+                    scattered = list(writer.prepare_global_plan(plans))
+                except BaseException as e:
+                    scattered = [CheckpointException("plan", {0: _wrapped(e)})] * world
+        mine: list[Any] = [None]
+        dist.scatter_object_list(mine, scattered, src=coordinator, group=group)
+        if isinstance(mine[0], CheckpointException):
+            raise mine[0]
+        return planner.finish_plan(mine[0]), metadata
+
+
+def _wrapped(e: BaseException) -> tuple[BaseException, traceback.StackSummary]:
+    """An exception as DCP's CheckpointException holds each rank's: with its stack, which pickles."""
+    return e, traceback.extract_tb(e.__traceback__)
+
+
+def _attempt(fn: Any) -> tuple[Any, tuple[BaseException, traceback.StackSummary] | None]:
+    try:
+        return fn(), None
+    except Exception as e:  # sent to the coordinator, raised on every rank
+        return None, _wrapped(e)
+
+
+def _failures(gathered: list[Any]) -> dict[int, Any]:
+    return {rank: error for rank, (_, error) in enumerate(gathered) if error is not None}
