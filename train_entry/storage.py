@@ -4,7 +4,8 @@ DCP (`torch.distributed.checkpoint`) plans every save and load (which rank write
 reshards onto another world size) and hands the bytes to a StorageWriter / StorageReader. Its own
 FileSystemWriter serializes each tensor with torch.save, item by item, in Python: measured on an H100, a
 background save persisted 1.95 GB in 12.7 s while the training thread ran (0.15 GB/s), because both threads
-fought over one interpreter. This layer keeps DCP's planning and metadata and changes only the bytes:
+fought over one interpreter. This layer keeps DCP's planning and metadata (driven, on a save, by
+train_entry/planned_save.py: planned once per layout) and changes only the bytes:
 
 - each rank writes one file, `__<rank>_0.distcp`: the tensors' raw bytes, each at a 64-byte-aligned offset,
   then the small non-tensor items (pickled by DCP). A save staged into the host arena
