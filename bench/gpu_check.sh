@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, on a CUDA machine whose Python already has a CUDA torch (no network needed):
 #
-#     bash bench/gpu_check.sh [OUT_DIR] [all|PART[,PART...]]     # PART: tests, jobs, tiers
+#     bash bench/gpu_check.sh [OUT_DIR] [all|PART[,PART...]]     # PART: tests, jobs, tiers, persist
 #
 # `tests` runs the GPU tests and the checkpoint benchmark, `jobs` the two GPT-2-small runs, `tiers` the tiers
 # benchmark (local tier on /dev/shm, durable on the disk): each part fits in ten minutes on one H100, where a lent
-# machine's command is cut off; `tests,tiers` together in about seven.
+# machine's command is cut off; `tests,tiers` together in about seven. `persist` (not in `all`): what a background
+# persist costs the training thread, the first step after each save call apart, and the interpreter time it takes
+# from a launch-bound loop (bench/persist_interpreter.py), about two minutes.
 # Installs the project beside that torch without touching it (--no-deps; falls back to running from the
 # checkout): the other dependencies (typer, rich, psutil, pyyaml, xxhash, numpy, pytest) must be there already,
 # and a missing one is named before anything runs. Prints the GPU, driver, torch, CUDA and NCCL versions, runs the GPU tests (tests/test_gpu.py), then
@@ -19,10 +21,10 @@ out="${1:-${OUT:-bench/results/gpu}}"
 parts="${2:-all}"
 [[ $parts == all ]] && parts=tests,jobs,tiers
 for p in ${parts//,/ }; do
-  case $p in tests|jobs|tiers) ;; *) echo "gpu_check.sh: part '$p' is none of all, tests, jobs, tiers" >&2; exit 2 ;; esac
+  case $p in tests|jobs|tiers|persist) ;; *) echo "gpu_check.sh: part '$p' is none of all, tests, jobs, tiers, persist" >&2; exit 2 ;; esac
 done
 has() { [[ ,$parts, == *,$1,* ]]; }
-tests=0 small=0 bf16=0 saves=0 tiers=0
+tests=0 small=0 bf16=0 saves=0 tiers=0 persist=0
 missing=$(python3 -c "import importlib.util as u; print(' '.join(m for m in ('torch', 'typer', 'rich', 'psutil', 'yaml', 'xxhash', 'numpy', 'pytest') if u.find_spec(m) is None))")
 if [[ -n $missing ]]; then
   echo "gpu_check.sh: this Python lacks $missing; install them (pip install --no-deps ...) or carry a venv" >&2
@@ -62,5 +64,12 @@ if has tiers; then
       --local-tier /dev/shm --out "$out/tiers.json" 2>&1 | tee "$out/tiers.txt"
   tiers=${PIPESTATUS[0]}
 fi
-echo "gpu tests: exit $tests; GPT-2-small job: exit $small; in bf16: exit $bf16; checkpoint bench: exit $saves; tiers bench: exit $tiers"
-exit $(( tests || small || bf16 || saves || tiers ))
+if has persist; then
+  python3 bench/checkpoint_save.py --device cuda --ranks 1 --gb 2 --saves 4 --steps 10 --sample-ms 2 \
+      --out "$out/checkpoint_save_sampled.json" 2>&1 | tee "$out/checkpoint_save_sampled.txt"
+  persist=${PIPESTATUS[0]}
+  python3 bench/persist_interpreter.py --device cuda --gb 2 --saves 10 2>&1 | tee "$out/persist_interpreter.txt"
+  (( persist = persist || PIPESTATUS[0] ))
+fi
+echo "gpu tests: exit $tests; GPT-2-small job: exit $small; in bf16: exit $bf16; checkpoint bench: exit $saves; tiers bench: exit $tiers; persist: exit $persist"
+exit $(( tests || small || bf16 || saves || tiers || persist ))

@@ -3,6 +3,7 @@
 
     python bench/persist_interpreter.py                 # 0.02 GB, 8 layers (418 items), 16 async saves
     python bench/persist_interpreter.py --gb 0.5 --saves 10
+    python bench/persist_interpreter.py --device cuda --gb 2      # one GPU: staged through the pinned arena
 
 On a GPU a training step is mostly its thread launching kernels: each launch lets go of the interpreter and
 takes it back. While the persist thread runs Python (planning, pickling, the per-item loop), every take-back
@@ -49,6 +50,7 @@ def main() -> int:
     p.add_argument("--gb", type=float, default=0.02, help="params + AdamW state, GB")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--saves", type=int, default=16)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--port", type=int, default=29571)
     args = p.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
@@ -60,7 +62,7 @@ def main() -> int:
 
     from train_entry.checkpoint import Checkpointer
 
-    rank = checkpoint_save.setup_rank(argparse.Namespace(gb=args.gb, layers=args.layers, device="cpu", batch=1,
+    rank = checkpoint_save.setup_rank(argparse.Namespace(gb=args.gb, layers=args.layers, device=args.device, batch=1,
                                                          collective_timeout_s=60))
     for _ in range(3):
         rank.train_step()
@@ -81,7 +83,7 @@ def main() -> int:
             taken.append(took - n / rate)
             persist.append(took)
         items = len(ckpt._planner.plan.items)  # what this rank wrote, each save
-    print(f"{args.gb} GB, {items} items, {args.saves} async saves: a persist took "
+    print(f"{args.gb} GB on {args.device}, {items} items, {args.saves} async saves: a persist took "
           f"{statistics.median(persist) * 1e3:.1f} ms (median), and {statistics.median(taken) * 1e3:.1f} ms "
           f"(median; quartiles {statistics.quantiles(taken)[0] * 1e3:.1f} / "
           f"{statistics.quantiles(taken)[2] * 1e3:.1f}) of the loop's time beside it")
