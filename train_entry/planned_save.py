@@ -52,7 +52,10 @@ class PlannedSave:
 
     def save(self, state_dict: dict[str, Any], writer: RawWriter, group: dist.ProcessGroup) -> None:
         try:
-            self._save(state_dict, writer, group)
+            # No autograd in a save: a DTensor's to_local() is then its local tensor, not a node made for it in
+            # Python for each shard (a persist took 27-32 ms of a launch-bound loop's time beside it, 22-25 without).
+            with torch.no_grad():
+                self._save(state_dict, writer, group)
         except BaseException:
             self._last = None  # on every rank: the failure reached them all (or the group is gone)
             raise
