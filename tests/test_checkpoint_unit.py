@@ -173,7 +173,7 @@ def test_a_registered_arena_is_unregistered_once_when_the_layout_changes(monkeyp
     assert [c for c, _ in calls].count("unregister") == 1
 
 
-def test_the_local_save_plan_is_made_once_per_layout_and_every_save_still_holds_its_own_values(
+def test_a_saves_plans_are_made_once_per_layout_and_every_save_still_holds_its_own_values(
         ctx, tmp_path, monkeypatch):
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner

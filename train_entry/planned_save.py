@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,7 +132,7 @@ def _wrapped(e: BaseException) -> tuple[BaseException, traceback.StackSummary]:
     return e, traceback.extract_tb(e.__traceback__)
 
 
-def _attempt(fn: Any) -> tuple[Any, tuple[BaseException, traceback.StackSummary] | None]:
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, tuple[BaseException, traceback.StackSummary] | None]:
     try:
         return fn(), None
     except Exception as e:  # sent to the coordinator, raised on every rank
