@@ -112,14 +112,15 @@ class PlannedSave:
         metadata = None
         if gathered is not None:
             failures = _failures(gathered)
+            if not failures:
+                planned, error = _attempt(lambda: planner.create_global_plan([p for p, _ in gathered]))
+                if error is None:
+                    plans, metadata = planned
+                    scattered, error = _attempt(lambda: list(writer.prepare_global_plan(plans)))
+                if error is not None:
+                    failures = {0: error}
             if failures:
                 scattered = [CheckpointException("plan", failures)] * world
-            else:
-                try:
-                    plans, metadata = planner.create_global_plan([p for p, _ in gathered])
-                    scattered = list(writer.prepare_global_plan(plans))
-                except BaseException as e:
-                    scattered = [CheckpointException("plan", {0: _wrapped(e)})] * world
         mine: list[Any] = [None]
         dist.scatter_object_list(mine, scattered, src=coordinator, group=group)
         if isinstance(mine[0], CheckpointException):
@@ -127,16 +128,13 @@ class PlannedSave:
         return planner.finish_plan(mine[0]), metadata
 
 
-def _wrapped(e: BaseException) -> tuple[BaseException, traceback.StackSummary]:
-    """An exception as DCP's CheckpointException holds each rank's: with its stack, which pickles."""
-    return e, traceback.extract_tb(e.__traceback__)
-
-
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, tuple[BaseException, traceback.StackSummary] | None]:
+    """`fn()`'s value, or its exception as DCP's CheckpointException holds each rank's: with its stack, which
+    pickles (sent to the coordinator, raised on every rank)."""
     try:
         return fn(), None
-    except Exception as e:  # sent to the coordinator, raised on every rank
-        return None, _wrapped(e)
+    except Exception as e:
+        return None, (e, traceback.extract_tb(e.__traceback__))
 
 
 def _failures(gathered: list[Any]) -> dict[int, Any]:

@@ -96,8 +96,9 @@ class Rank0Planner(DefaultSavePlanner):
 
 
 def plan_layout(sd: dict[str, Any], coordinator: bool) -> tuple[Any, ...] | None:
-    """All that DCP's local save plan of the flattened `sd` depends on: each name's kind, dtype, shapes, strides,
-    placement on its mesh and the properties DCP records; None where a value plans itself some other way."""
+    """All that this rank's part of DCP's save plans (its local plan, and so its share of the global one) depends
+    on in the flattened `sd`: each name's kind, dtype, shapes, strides, placement on its mesh and the properties
+    DCP records; None where a value plans itself some other way."""
     out: list[Any] = [coordinator]
     for fqn, obj in sd.items():
         if isinstance(obj, DTensor):
