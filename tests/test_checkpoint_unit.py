@@ -178,11 +178,15 @@ def test_a_saves_plans_are_made_once_per_layout_and_every_save_still_holds_its_o
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    from train_entry import planned_save
     from train_entry.checkpoint import Checkpointer, CheckpointError
 
-    made = []
+    made, sent = [], []
     plan = DefaultSavePlanner.create_local_plan
     monkeypatch.setattr(DefaultSavePlanner, "create_local_plan", lambda self: made.append(1) or plan(self))
+    gather = planned_save.dist.gather_object  # what each save's write step sends the coordinator (not its plan)
+    monkeypatch.setattr(planned_save.dist, "gather_object", lambda obj, *a, **k: (
+        isinstance(obj, tuple) and isinstance(obj[0], list) and sent.append(obj[0])) or gather(obj, *a, **k))
     ckpt = Checkpointer(tmp_path, ctx, async_save=True)
     live = state(ctx)
     saved = {}
@@ -194,6 +198,10 @@ def test_a_saves_plans_are_made_once_per_layout_and_every_save_still_holds_its_o
         ckpt.save(step, lambda: live, sync=False)
     ckpt.wait()
     assert len(made) == 1 and ckpt._saver.planned == 1
+    # The first save sends every item's location; the next two only those that moved: the bytes and the text,
+    # longer each time (in the file of small items, each after the other).
+    assert [len(s) for s in sent[1:3]] == [2, 2] and len(sent[0]) == 10
+    assert {s.index.fqn for s in sent[2]} == {"rng.rank0", "train"}
     live["ids"] = torch.arange(12, dtype=torch.int64)  # a new shape: a new plan
     ckpt.save(4, lambda: live, sync=False)
     live["extra"] = torch.ones(3)  # a new name: a new plan
@@ -213,7 +221,18 @@ def test_a_saves_plans_are_made_once_per_layout_and_every_save_still_holds_its_o
     saved[7] = flat(copy_of(live))
     ckpt.save(7, lambda: live, sync=True)
     assert ckpt._saver.planned == 4
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
     for step in (1, 2, 3, 5, 7):
+        # DCP's metadata, parts of it pickled once per layout, reads back with a plain pickle.load as one piece
+        metadata = pickle.loads((tmp_path / store.step_dirname(step) / ".metadata").read_bytes())
+        assert type(metadata) is Metadata and type(metadata.state_dict_metadata) is dict
+        assert type(metadata.storage_data) is dict
+        assert sorted(i.fqn for i in metadata.storage_data) == sorted(metadata.state_dict_metadata)  # one chunk each
+        if step == 1:
+            assert len(metadata.storage_data) == len(sent[0])
         template = state(ctx)
         if step >= 5:
             template["ids"], template["extra"] = torch.zeros(12, dtype=torch.int64), torch.zeros(3)

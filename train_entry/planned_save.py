@@ -8,11 +8,16 @@ waits for it: measured on a 2-core VM (one rank, 418 items), the persist took 13
 per save, half of it in those exchanges.
 
 `PlannedSave` drives the same planner and storage writer through the same steps of the SavePlanner /
-StorageWriter protocol, with two differences:
+StorageWriter protocol, with three differences:
 - when every rank's state has the layout of the last save that planned (`storage.plan_layout`: names, kinds,
   dtypes, shapes, strides, placements), that save's plans and the coordinator's metadata are used again: one
   all-reduce of one integer replaces the plan exchange. A save that fails on any rank forgets the plans on
   every rank; the next one plans again.
+- with reused plans, a rank sends the coordinator only the write results (item locations) that differ from
+  those of the save that made the plans, and the coordinator pickles only those anew into the metadata: the
+  items' metadata and the other locations were pickled once, at that save (`storage.Pickled`; the file still
+  loads with a plain `pickle.load`). Both grow with the world size: the coordinator unpickled and pickled
+  every rank's ~420 results on every save.
 - after the coordinator has written the metadata, only its outcome goes back to the ranks, not the metadata.
 Errors travel as in DCP: each rank's exception, gathered on the coordinator, raised on every rank as one
 CheckpointException that names the ranks.
@@ -32,15 +37,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import WriteResult
 
-from train_entry.storage import Rank0Planner, RawWriter, plan_layout
+from train_entry.storage import Pickled, Rank0Planner, RawWriter, Updated, plan_layout
 
 
 @dataclass(frozen=True)
 class _Plans:
     layout: tuple[Any, ...]
     plan: SavePlan  # this rank's final plan
-    metadata: Metadata | None  # the coordinator's
+    results: list[WriteResult]  # this rank's write results in the save that made the plans
+    metadata: Metadata | None  # the coordinator's, with that save's item locations: pickled once (`Pickled`)
 
 
 class PlannedSave:
@@ -73,18 +80,25 @@ class PlannedSave:
         last, self._last = self._last, None  # kept again only by a save that succeeds
         same = torch.tensor([int(layout is not None and last is not None and last.layout == layout)])
         dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
-        if same.item() and last is not None:
-            plan, metadata = last.plan, last.metadata
+        reused = last if same.item() else None
+        if reused is not None:
+            plan, metadata = reused.plan, reused.metadata
             if planner.flatten_state_dict:  # this save's own mappings (the same names)
                 plan = dataclasses.replace(plan, planner_data=planner.mappings)
             planner.plan = plan
         else:
             plan, metadata = self._plan(planner, writer, group, rank, world, coordinator)
+            if metadata is not None:
+                metadata = dataclasses.replace(metadata, state_dict_metadata=Pickled(metadata.state_dict_metadata))
             self.planned += 1
 
-        results = _attempt(lambda: writer.write_data(plan, planner).wait())
+        results, error = _attempt(lambda: writer.write_data(plan, planner).wait())
+        # With reused plans a rank sends only the results (item locations) that differ from those of the save that
+        # made them (the non-tensor items whose size changed), and the coordinator pickles only those anew: the
+        # rest went into the metadata once.
+        sent = _changed(reused.results, results) if reused is not None and results is not None else results
         gathered: list[Any] | None = [None] * world if is_coordinator else None
-        dist.gather_object(results, gathered, dst=coordinator, group=group)
+        dist.gather_object((sent, error), gathered, dst=coordinator, group=group)
         outcome: list[Any] = [None]
         if gathered is not None:
             failures = _failures(gathered)
@@ -92,14 +106,20 @@ class PlannedSave:
                 outcome[0] = CheckpointException("write", failures)
             else:
                 assert metadata is not None
-                done = _attempt(lambda: writer.finish(metadata, [r for r, _ in gathered]))
+                located = {wr.index: wr.storage_data for part, _ in gathered for wr in part}
+                if reused is not None:
+                    storage = Updated(metadata.storage_data, located)
+                else:
+                    storage = Pickled(located)
+                    metadata = dataclasses.replace(metadata, storage_data=storage)
+                done = _attempt(lambda: writer.write_metadata(metadata, storage))
                 if done[1] is not None:
                     outcome[0] = CheckpointException("finish", {rank: done[1]})
         dist.broadcast_object_list(outcome, src=coordinator, group=group)
         if outcome[0] is not None:
             raise outcome[0]
         if layout is not None:
-            self._last = _Plans(layout, plan, metadata)
+            self._last = reused or _Plans(layout, plan, results, metadata)
 
     @staticmethod
     def _plan(planner: Rank0Planner, writer: RawWriter, group: dist.ProcessGroup, rank: int, world: int,
@@ -139,3 +159,10 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, tuple[BaseException, traceback
 
 def _failures(gathered: list[Any]) -> dict[int, Any]:
     return {rank: error for rank, (_, error) in enumerate(gathered) if error is not None}
+
+
+def _changed(base: list[WriteResult], results: list[WriteResult]) -> list[WriteResult]:
+    """The results that differ from `base`'s (the same plan's, item for item)."""
+    if len(base) != len(results):
+        return results
+    return [r for r, b in zip(results, base, strict=True) if r != b]

@@ -31,6 +31,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import io
+import operator
 import os
 import pickle
 import uuid
@@ -113,6 +114,33 @@ def plan_layout(sd: dict[str, Any], coordinator: bool) -> tuple[Any, ...] | None
         else:
             out.append((fqn, type(obj)))
     return tuple(out)
+
+
+class Pickled:
+    """A value pickled once and then put, again and again, into something pickled whole: DCP's metadata, written
+    on every save of one layout, whose ~420 items' metadata and locations took 6 ms of the interpreter to pickle
+    each time. It pickles as those bytes, and unpickles with a plain `pickle.load` as the value itself (through
+    `pickle.loads`): a checkpoint's metadata reads back as if pickled in one go."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, value: Any):
+        self.data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return pickle.loads, (self.data,)
+
+
+@dataclass(frozen=True)
+class Updated:
+    """A dict pickled once (`base`) with some of its values replaced: unpickles as the plain dict `base | changes`
+    (through `operator.or_`)."""
+
+    base: Pickled
+    changes: dict[Any, Any]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return operator.or_, (self.base, self.changes)
 
 
 @dataclass(frozen=True)
@@ -223,8 +251,11 @@ class RawWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The coordinator writes DCP's metadata, with every rank's item locations."""
-        metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
-        metadata.storage_meta = self.storage_meta()
+        self.write_metadata(metadata, {wr.index: wr.storage_data for rank_results in results for wr in rank_results})
+
+    def write_metadata(self, metadata: Metadata, storage_data: Any) -> None:
+        """`finish`, with the item locations given as they are to be pickled (a dict, or an `Updated` one)."""
+        metadata = dataclasses.replace(metadata, storage_data=storage_data, storage_meta=self.storage_meta())
         sink = _Sink(self.path / METADATA)
         try:
             sink.write(memoryview(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)))
