@@ -259,8 +259,7 @@ class Supervisor:
         for name, why in choice.skipped:
             self.console.event(f"skipping {name}: {why}", style="yellow")
         start = f"resuming from step {choice.step} ({choice.path.name})" if choice.path else "starting fresh"
-        if self.local_root is not None and self.resume.local_step is not None and \
-                (choice.step is None or self.resume.local_step >= choice.step):
+        if self.resume.local_step is not None and (choice.step is None or self.resume.local_step >= choice.step):
             start = (f"resuming from local step {self.resume.local_step} if every node holds it, else "
                      + (f"durable step {choice.step}" if choice.step is not None else "fresh"))
         self.console.event(f"attempt {spec.attempt}: launching {self.cfg.nnodes}×{self.cfg.nproc_per_node} ranks, "
