@@ -310,6 +310,7 @@ class Supervisor:
                 h.lost_steps = lost[h.attempt]
 
     def on_records(self, records: list[Any], rec: AttemptRecord) -> None:
+        measured = self.tuner.measured if self.tuner is not None else 0
         for r in records:
             if isinstance(r, StepRecord):
                 if rec.first_step_at is None:
@@ -334,8 +335,9 @@ class Supervisor:
                 if self.tuner is not None:
                     self.tuner.on_commit(r.step, r.persist_s)
                 self.on_checkpoint(r, mine=True)
-                if self.tuner is not None:
-                    self._retune()
+        # Once a save's cost is known: a background save's when the step in progress at its commit is logged
+        if self.tuner is not None and self.tuner.measured != measured:
+            self._retune()
 
     def on_checkpoint(self, commit: CommitRecord, mine: bool) -> None:
         """A new valid checkpoint: announce it once; the node whose rank 0 committed it applies retention."""

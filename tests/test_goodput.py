@@ -132,3 +132,25 @@ def test_a_rollback_past_the_last_attempts_start_charges_the_older_attempts_too(
     assert [a.lost_steps for a in acc.attempts[:2]] == [77, 39] and acc.summary(23.0)["lost_steps"] == 116
     acc.resumed(120)  # the ranks found a newer copy after all: attempt 1 keeps up to 100, attempt 2 up to 120
     assert [a.lost_steps for a in acc.attempts[:2]] == [27, 19]
+
+
+def test_the_benchmarks_save_cost_counts_the_step_in_progress_at_the_commit():
+    """bench/goodput/analyze.py charges a background save the slowdown of the steps beside its persist; one that
+    commits inside the next step (its commit line before that step's) was charged its blocking time alone."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "goodput"))
+    try:
+        import analyze
+    finally:
+        sys.path.pop(0)
+    seg, t = [], 0.0
+    for step in range(1, 40):
+        t += 0.05 + (0.009 + 0.035 if step in (13, 25) else 0.0)  # the step after each save: blocking + 35 ms
+        seg.append({"step": step, "t": t})
+        if step in (12, 24, 36):
+            seg += [{"save": step, "blocking_s": 0.009}, {"commit": step, "t": t + 0.04}]
+    blocking, effective = analyze.save_costs([seg], final_step=39, base_s=0.05)
+    assert blocking == [0.009] * 3
+    assert effective == pytest.approx([0.009 + 0.035, 0.009 + 0.035, 0.009])

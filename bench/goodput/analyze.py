@@ -72,15 +72,16 @@ def save_costs(segs: list[list[dict[str, Any]]], final_step: int, base_s: float 
                hang_t: float | None = None) -> tuple[list, list]:
     """Per save (the final one excluded: it follows the last step): the blocking seconds, and the effective
     cost, i.e. blocking plus the extra time (over `base_s`) of the steps that ran while it persisted in the
-    background, up to its `commit` line. Synchronous saves (no commit lines) cost their blocking time. A step
-    whose time spans the hang (`hang_t`) is the hang's, not the save's: a save in flight when a rank was
-    stopped would otherwise be charged the whole hang."""
+    background, up to the step in progress at its `commit` line, that one included. Synchronous saves (no
+    commit lines) cost their blocking time. A step whose time spans the hang (`hang_t`) is the hang's, not the
+    save's: a save in flight when a rank was stopped would otherwise be charged the whole hang."""
     blocking, effective = [], []
     if not any("commit" in r for seg in segs for r in seg):
         blocking = [r["blocking_s"] for seg in segs for r in seg if "save" in r and r["save"] != final_step]
         return blocking, list(blocking)
     for seg in segs:
         in_flight: dict[int, float] = {}  # save step → cost so far
+        closing: set[int] = set()  # committed: closed by the step in progress
         last, owed = None, 0.0
         for r in seg:
             if "save" in r and r["save"] != final_step:
@@ -88,7 +89,7 @@ def save_costs(segs: list[list[dict[str, Any]]], final_step: int, base_s: float 
                 in_flight[r["save"]] = r["blocking_s"]
                 owed += r["blocking_s"]  # the next step's time includes it: not a slowdown
             elif "commit" in r and r["commit"] in in_flight:
-                effective.append(in_flight.pop(r["commit"]))
+                closing.add(r["commit"])
             elif "step" in r:
                 spans_hang = hang_t is not None and last is not None and last["t"] <= hang_t < r["t"]
                 if last is not None and r["step"] == last["step"] + 1 and base_s is not None and not spans_hang:
@@ -96,6 +97,8 @@ def save_costs(segs: list[list[dict[str, Any]]], final_step: int, base_s: float 
                     for k in in_flight:
                         in_flight[k] += extra
                 last, owed = r, 0.0
+                effective += [in_flight.pop(k) for k in sorted(closing)]
+                closing.clear()
     return blocking, effective
 
 
