@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -19,6 +20,20 @@ from supervisor import store
 from supervisor.cli import app
 from tests.ckpt_helpers import flip_byte, truncate, write_checkpoint
 from tests.proc import readonly
+
+
+def _ignore(signum: int, frame: object) -> None:
+    pass
+
+
+# The tests send SIGHUP and SIGINT to the processes they start and expect them to act (`resilient run` checkpoints
+# and exits 143, `logs --follow` exits 130). A pytest started under `nohup`, or as a background job of a script,
+# ignores those signals, and an ignored signal stays ignored through exec: its children did not act (and `nohup
+# resilient run` keeps SIGHUP ignored on purpose). A handler does not pass through exec: the children start with
+# the defaults, and this process still ignores them.
+for _sig in (signal.SIGHUP, signal.SIGINT):
+    if signal.getsignal(_sig) is signal.SIG_IGN:
+        signal.signal(_sig, _ignore)
 
 
 @pytest.fixture
