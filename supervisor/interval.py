@@ -129,8 +129,8 @@ class IntervalTuner:
 
     def on_commit(self, step: int, persist_s: float) -> None:
         """A save committed. Its cost is counted once the step in progress is logged: that step ran beside the
-        persist too (a persist shorter than a step commits inside the next step, and was charged nothing
-        before: measured on the goodput benchmark, the step after each save took 88 ms against 53, while the
+        persist too (a persist shorter than a step commits inside the step after the save, whose slowdown was
+        charged nothing before: measured on the goodput benchmark, that step took 88 ms against 53, while the
         save was charged its 9 ms of blocking alone)."""
         self.persist.append(persist_s)
         if step not in self._blocking:
