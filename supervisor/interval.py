@@ -112,7 +112,7 @@ class IntervalTuner:
             else:
                 self.step_dts.append(dt)
         self._last = (step, t)
-        for done in self._closing & self._flight.keys():
+        for done in self._closing:  # each also in _flight and _blocking: on_commit closes only a save it holds
             self._close(done)
         self._closing.clear()
 
