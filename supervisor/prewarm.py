@@ -355,10 +355,21 @@ def _reseed() -> None:
 
 
 def _end_with_client(conn: socket.socket, sig: int) -> None:
-    """The client never writes again: a read returns only when it has died. Then this fork ends too."""
-    with contextlib.suppress(OSError):
+    """The client never writes again: a read returns only when it has died. Then this fork ends too, saying so
+    first in its own log: a rank ended this way leaves no heartbeat and no traceback, and this line is all that
+    tells why."""
+    how = "has ended"
+    try:
         while conn.recv(1 << 10):
             pass
+    except OSError as e:
+        how = f"is unreachable ({e})"
+    peer = "?"
+    with contextlib.suppress(OSError):
+        peer = str(int.from_bytes(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[:4], sys.byteorder))
+    with contextlib.suppress(OSError):
+        os.write(2, f"resilient: pid {os.getpid()}: the process it was started for (pid {peer}) {how}; ending with "
+                    f"{signal.Signals(sig).name}\n".encode())
     os.kill(os.getpid(), sig)
 
 

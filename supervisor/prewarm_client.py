@@ -81,15 +81,20 @@ def _proxy(conn: socket.socket, argv: list[str]) -> None:
         signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
     try:
         last = json.loads(read_line(conn) or b"{}")
-    except (OSError, ValueError):
-        last = {}
+    except (OSError, ValueError) as e:
+        last = {"error": str(e)}
+    if last.get("status") is None:
+        print(f"resilient: lost the prewarm server's answer for worker pid {pid} ({last.get('error', 'closed')}); "
+              "leaving with exit 1", file=sys.stderr)
     _leave_like(last.get("status"))
 
 
 def _forward(pid: int, signum: int) -> None:
+    # Runs inside the wait for the server's last line: anything raised here would end that wait, and this
+    # proxy, and with it the worker.
     try:
         os.kill(pid, signum)
-    except ProcessLookupError:
+    except OSError:
         pass
 
 

@@ -124,6 +124,8 @@ def test_signals_pass_both_ways_and_the_worker_never_outlives_its_client(tmp_pat
             for w in alive:
                 w.kill()
         assert alive == [], "a forked worker outlived its client"
+        # It says why in the rank's log: nothing else (no heartbeat, no traceback) would.
+        assert f"the process it was started for (pid {p.pid}) has ended; ending with SIGKILL" in p.output()
 
 
 # ---- a fork that becomes an attempt's torchrun (role "launcher") -------------------------------------------
@@ -171,6 +173,8 @@ def test_a_launcher_fork_reports_its_exit_and_stops_when_its_supervisor_goes(tmp
     finally:
         forked.close()
     wait_for(lambda: marker.read_text() == "SIGTERM", 30, "the fork to be asked to stop")
+    assert f"pid {forked.pid}: the process it was started for (pid {os.getpid()}) has ended; ending with SIGTERM" \
+        in (tmp_path / "launched.log").read_text()
 
 
 def test_a_launcher_fork_outlives_the_server_and_its_end_is_still_seen(tmp_path):

@@ -150,20 +150,29 @@ def test_a_hangup_of_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tm
         signalled_at = time.time()
         sup.signal(signal.SIGHUP)
         assert sup.wait(60) == 143, sup.output()[-3000:]
+        took = time.time() - signalled_at
         assert sup.alive_descendants() == []
     doc = status(run_dir)
     assert doc["state"] == "stopped"
     stop_step = doc["step"]
     attempt = state(run_dir)["attempt"]
-    why = "\n".join([sup.output()[-2000:], *(rank_log(run_dir, attempt, r)[-1500:] for r in (0, 1)),
-                     str(sorted(p.name for p in (run_dir / "checkpoints").iterdir()))])
+    # A plain string: pytest prints it whole (a tuple's repr is cut in the middle, which hid all of this once).
+    torchrun_log = (run_dir / "logs" / f"attempt_{attempt}" / "torchrun.log").read_text(errors="replace")
+    why = "\n".join([f"the stop took {took:.1f}s; {doc['history'][-1].get('detail')}",
+                     f"ranks: {[(r['rank'], r['step'], r['phase'], r['pid']) for r in doc['ranks']]}",
+                     f"checkpoints: {sorted(p.name for p in (run_dir / 'checkpoints').iterdir())}",
+                     "torchrun's log (its own lines):",
+                     *[line for line in torchrun_log.splitlines() if (line[:1] in "EWI" and line[1:5].isdigit())
+                       or "exitcode" in line][:16],
+                     *(f"rank {r}'s {stream}:\n{rank_log(run_dir, attempt, r, stream)[-1200:]}"
+                       for r in (0, 1) for stream in ("stderr", "stdout")),
+                     "the supervisor's console:", sup.output()[-2000:]])
     # The ranks table holds their last word (it showed the last poll's step, in phase train).
-    assert {(r["step"], r["phase"], r["alive"]) for r in doc["ranks"]} == {(stop_step, "exited", False)}, \
-        (doc["ranks"], why)
+    assert {(r["step"], r["phase"], r["alive"]) for r in doc["ranks"]} == {(stop_step, "exited", False)}, why
     # The ranks agree on a stop only at their next agreement, which may fall on an interval step: what
     # shows the stop's own checkpoint is that it was committed after the signal, at the stop step.
     latest = store.latest_valid(run_dir / "checkpoints", deep=True)
-    assert latest.step == stop_step and latest.created_at > signalled_at, (latest.step, stop_step, why)
+    assert latest.step == stop_step and latest.created_at > signalled_at, f"{latest.step} != {stop_step}\n{why}"
     with started(run_job(run_dir, steps=120, sleep=0.0), tmp_path, log=tmp_path / "sup2.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
         assert f"resuming from step {stop_step}" in sup.output()
