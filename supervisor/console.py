@@ -26,7 +26,9 @@ class EventConsole:
     def __init__(self, name: str, console: Console | None = None):
         self.name = name
         self.console = console or _Console(stderr=True, highlight=False, soft_wrap=True)
-        self._lock = threading.Lock()  # one line's parts together: the replicator's thread speaks too
+        # One line's parts together: the replicator's thread speaks too. Re-entrant: Ctrl-Z's handler speaks from
+        # the main thread, maybe in the middle of a line; a plain Lock would block it there for good.
+        self._lock = threading.RLock()
 
     def event(self, text: str, style: str | None = None) -> None:
         stamp = time.strftime("%H:%M:%S")

@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +50,7 @@ log = logging.getLogger("resilient")
 STATE_EVERY_S = 1.0
 NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})  # a run dir that takes no more writes
 REPLICATION_DRAIN_S = 600.0  # a finished run waits this long at most for its last durable copies
+STOP_POLL_S = 0.05  # how soon a stop cuts a restart's backoff short
 
 
 class Supervisor:
@@ -63,7 +63,6 @@ class Supervisor:
         self.policy = RestartPolicy(cfg.restart, rendezvous_s=float(cfg.rdzv.conf.get("join_timeout", 600)))
         self._stop_signal: int | None = None
         self._launched_at: float | None = None  # when the current attempt began (self.clock())
-        self._wake = threading.Event()
         self._blocking: dict[int, float] = {}
         self._announced: set[tuple[int, int]] = set()  # (attempt, step): a rollback's attempt commits a step again
         self.record = self._load_record()
@@ -380,9 +379,10 @@ class Supervisor:
         return self._stop_signal
 
     def request_stop(self, signum: int) -> None:
-        """From a signal handler: stop gracefully (the ranks checkpoint), then exit 143/130."""
+        """From a signal handler: stop gracefully (the ranks checkpoint), then exit 143/130. It sets one attribute
+        and takes no lock: a handler runs between any two bytecodes of the main thread, and one that took a lock
+        (a threading.Event's, as this did) could block for good on the lock it interrupted."""
         self._stop_signal = signum
-        self._wake.set()
 
     # ---- after a failed attempt ---------------------------------------------------------------------
 
@@ -412,9 +412,14 @@ class Supervisor:
         if decision.resume_below is not None and not decision.quarantine_once_older_loads:
             self.console.event(f"rolling back: resuming below step {decision.resume_below} once", style="yellow")
         self.console.event(decision.message, style="yellow")
-        if self._wake.wait(decision.wait_s):
-            self._wake.clear()
+        self._wait_unless_stopped(decision.wait_s)
         return decision.resume_below
+
+    def _wait_unless_stopped(self, seconds: float) -> None:
+        """The backoff: `seconds`, cut short by a stop (looked at every STOP_POLL_S)."""
+        deadline = time.monotonic() + seconds
+        while self._stop_signal is None and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(STOP_POLL_S, left))
 
     # ---- endings ----------------------------------------------------------------------------------
 

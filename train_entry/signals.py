@@ -5,25 +5,30 @@ from __future__ import annotations
 import faulthandler
 import signal
 import sys
-import threading
 import time
 
 
 class StopRequest:
-    """Set from a signal handler or a watchdog thread; read by the training loop once per step."""
+    """Set from a signal handler or a watchdog thread; read by the training loop once per step.
+
+    Plain attributes, no lock. A handler runs between any two bytecodes of the main thread, its own included, and
+    a forked rank gets each SIGTERM twice (from the supervisor, and forwarded by its proxy). A `threading.Event`
+    here let the second run inside the first's `Event.set`, where it blocked for good on the lock that the first
+    held: the rank hung mid-step, the stop's grace ran out, and both ranks were SIGKILLed without their stop
+    checkpoint (twice in CI).
+    """
 
     def __init__(self) -> None:
-        self._event = threading.Event()
         self.reason: str | None = None
         self.at: float | None = None
 
     def set(self, reason: str) -> None:
-        if not self._event.is_set():
-            self.reason, self.at = reason, time.monotonic()
-            self._event.set()
+        if self.at is None:  # the first reason is kept (a re-entered call may overwrite it with its own: harmless)
+            self.reason = reason
+            self.at = time.monotonic()
 
     def __bool__(self) -> bool:
-        return self._event.is_set()
+        return self.at is not None
 
 
 def install(stop: StopRequest) -> None:

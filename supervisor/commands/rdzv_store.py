@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import signal
 import socket
-import threading
+import time
 
 from supervisor import render
 from supervisor.errors import ExitCode, UsageError
@@ -50,16 +50,15 @@ def main(host: str, port: int) -> int:
                              "rdzv-store on the machine --host names, or give this machine's name or address.") \
                 from None
         raise UsageError(f"cannot listen on {host}:{port} ({e}); pick another --port.") from None
-    stop = threading.Event()
     got: list[int] = []
 
-    def on_signal(signum: int, _frame: object) -> None:
+    def on_signal(signum: int, _frame: object) -> None:  # takes no lock: see Supervisor.request_stop
         got.append(signum)
-        stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     render.err.print(f"rendezvous store listening on {host}:{store.port} (Ctrl-C to stop)")
-    stop.wait()
+    while not got:
+        time.sleep(0.1)
     del store
     return ExitCode.SIGINT if got[0] == signal.SIGINT else ExitCode.SIGTERM  # as the exit code table says
