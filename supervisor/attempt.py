@@ -35,7 +35,7 @@ from supervisor.protocol import (
     read_heartbeats,
 )
 from supervisor.state import AttemptRecord, RunRecord
-from supervisor.watch import NO_HEARTBEAT, SILENT, STALL_FLOOR_BEATS, Hang, RankWatch
+from supervisor.watch import NO_HEARTBEAT, SILENT, STALL_FLOOR_BEATS, STOP_IGNORED, Hang, RankWatch
 
 log = logging.getLogger("resilient")
 
@@ -120,7 +120,7 @@ class Attempt:
         finally:
             # Ranks asked to stop may still be writing their checkpoint after torchrun is gone; a torchrun that
             # outlived the stop's grace has had it.
-            stopping = outcome is not None and outcome.reason == api.STOPPED and outcome.exit_code is not None
+            stopping = outcome is not None and outcome.reason == api.STOPPED
             # A stop's grace runs from its signal (_stop, which set the deadline, waited in it already): what is left
             # of it, not a second one.
             grace = HANG_STOP_GRACE_S
@@ -268,7 +268,8 @@ class Attempt:
         """The supervisor was asked to stop: the ranks checkpoint at their step and exit (`rc`: torchrun had
         already exited, the ranks having had the same signal)."""
         name = signal.Signals(self.listener.stop_signal() or signal.SIGTERM).name
-        deadline = self._stop_deadline = time.monotonic() + self.cfg.stop_timeout_s + 5
+        asked = time.monotonic()
+        deadline = self._stop_deadline = asked + self.cfg.stop_timeout_s + 5
         if rc is None:
             self.console.event(f"{name}: asking the ranks to checkpoint and stop (up to "
                                f"{self.cfg.stop_timeout_s:.0f}s)", style="yellow")
@@ -284,6 +285,13 @@ class Attempt:
             handle.wait(0.1)
             handle.track()
         heartbeats = read_heartbeats(self.spec.heartbeat_dir) or heartbeats
+        evidence_note = ""
+        ignored = [Hang(r, STOP_IGNORED, time.monotonic() - asked, hb.step, hb.phase)
+                   for r, hb in sorted(heartbeats.items()) if hb.phase != "exited"] if handle.alive() else []
+        if ignored:  # they are SIGKILLed next (run's finally): what they were doing is all that can still be known
+            self.console.event(f"{name}: rank(s) {[h.rank for h in ignored]} still running after the grace; "
+                               "capturing stacks before stopping them", style="red")
+            evidence_note = f"; stacks of the ranks that did not stop in {self._capture(handle, ignored, heartbeats)}"
         step = max((hb.step for hb in heartbeats.values()), default=self.run_record.step)
         self.run_record.step = step
         self.run_record.take_last_beats(heartbeats)
@@ -296,7 +304,7 @@ class Attempt:
         missed = (f" (none at the stop step {step}: see the ranks' logs in {self.spec.logs_dir})"
                   if step is not None and (saved is None or saved.step < step) else "")
         return AttemptOutcome(api.STOPPED, f"stopped by {name} ({how}); newest valid checkpoint: "
-                              f"{saved.step if saved else 'none'}{tier}{missed}", None, rc, step)
+                              f"{saved.step if saved else 'none'}{tier}{missed}{evidence_note}", None, rc, step)
 
     # ---- following the ranks --------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ SILENT = "silent"
 NO_PROGRESS = "no_progress"
 NO_HEARTBEAT = "no_heartbeat"
 STARTUP = "startup"
+STOP_IGNORED = "stop_ignored"  # still running when a graceful stop's grace ran out
 STALL_FLOOR_BEATS = 3  # a stall limit is never below this many heartbeat intervals
 
 
@@ -43,7 +44,7 @@ class RankSeen:
 @dataclass(frozen=True)
 class Hang:
     rank: int | None
-    kind: str  # SILENT, NO_PROGRESS, NO_HEARTBEAT, STARTUP
+    kind: str  # SILENT, NO_PROGRESS, NO_HEARTBEAT, STARTUP, STOP_IGNORED
     for_s: float
     step: int | None
     phase: str | None
@@ -62,6 +63,8 @@ class Hang:
             return f"{who} made no progress for {self.for_s:.0f}s at step {self.step}{waits}"
         if self.kind == STARTUP:
             return f"{who} still in {self.phase} after {self.for_s:.0f}s"
+        if self.kind == STOP_IGNORED:
+            return f"{who} still running {self.for_s:.0f}s after the stop signal (step {self.step}, {self.phase})"
         if self.rank is not None:
             return f"{who} wrote no heartbeat in {self.for_s:.0f}s (the other ranks did)"
         return f"no heartbeat from any rank after {self.for_s:.0f}s"

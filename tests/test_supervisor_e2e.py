@@ -178,6 +178,32 @@ def test_a_hangup_of_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tm
         assert f"resuming from step {stop_step}" in sup.output()
 
 
+def test_ranks_still_running_when_the_stop_grace_runs_out_have_their_stacks_taken_before_the_kill(tmp_path):
+    """A stop whose checkpoint cannot finish within the grace (here a save paused for two minutes): the ranks are
+    SIGKILLed, but first their stacks go to their logs and the evidence file, as for a hang. Twice in CI a rank
+    hung in the stop (a handler that took a lock, fixed since) and nothing said where."""
+    run_dir = tmp_path / "run"
+    argv = run_job(run_dir, "stop_timeout_s=6", "checkpoint.interval_steps=100000", steps=400,
+                   extra_args=("--test-save-pause", "mid_data:120"))
+    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+        wait_for(lambda: live_ranks(run_dir, min_step=5), 90, "training")
+        sup.signal(signal.SIGTERM)
+        assert sup.wait(60) == 143, sup.output()[-3000:]
+        assert sup.alive_descendants() == []
+        console = sup.output()
+    doc = status(run_dir)
+    last = doc["history"][-1]
+    assert "the grace period ran out" in last["detail"] and "stacks of the ranks that did not stop" in last["detail"]
+    assert "SIGTERM: rank(s) [0, 1] still running after the grace; capturing stacks" in console, console
+    evidence = json.loads((Path(last["log_dir"]) / "hang_evidence.json").read_text())
+    assert {(h["rank"], h["kind"], h["phase"]) for h in evidence["hangs"]} == {(0, "stop_ignored", "save"),
+                                                                               (1, "stop_ignored", "save")}, evidence
+    for facts in evidence["ranks"]:
+        assert facts.get("stack_dump"), facts
+        dump = (run_dir / facts["stderr"]).read_text()
+        assert "most recent call first" in dump and "in maybe" in dump, dump[-2000:]  # the test pause's frame
+
+
 def test_sigterm_with_a_stopped_rank_continues_it_and_checkpoints_within_the_grace(tmp_path):
     """A rank stopped by SIGSTOP (or a debugger) when the supervisor is asked to stop: it is continued with the
     SIGTERM, so the group checkpoints at its stop step within the grace (it once stayed stopped through the whole

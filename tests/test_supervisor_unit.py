@@ -1091,10 +1091,18 @@ def test_run_says_a_rendezvous_backend_one_node_does_not_use(tmp_path, cli, monk
         "--standalone" in r.output, r.output
 
 
-def test_a_rank_that_outlives_the_stops_grace_gets_no_second_grace(tmp_path):
+class TorchrunOutlivesTheGrace(TorchrunGoneBeforeItsRanks):
+    def wait(self, timeout):
+        time.sleep(min(timeout, 0.1))
+        return None
+
+
+@pytest.mark.parametrize("handle_type", [TorchrunGoneBeforeItsRanks, TorchrunOutlivesTheGrace])
+def test_a_rank_that_outlives_the_stops_grace_gets_no_second_grace(tmp_path, handle_type):
     """The stop waits for the ranks up to its grace; the SIGKILL of what lingers comes then, not after another
-    whole stop_timeout_s (twice the grace overran a scheduler's kill wait)."""
-    handle = TorchrunGoneBeforeItsRanks(tmp_path / "logs" / "attempt_1" / "torchrun.log", tmp_path / "hb")
+    whole stop_timeout_s (twice the grace overran a scheduler's kill wait), nor after a hang's 5 s when torchrun
+    itself is still there."""
+    handle = handle_type(tmp_path / "logs" / "attempt_1" / "torchrun.log", tmp_path / "hb")
     handle.lingering = True
     attempt, _, _ = fake_attempt(tmp_path, "name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\n"
                                  "stop_timeout_s: 1\n", handle, stop_signal=signal.SIGTERM)
