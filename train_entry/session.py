@@ -103,6 +103,7 @@ class Session:
         self._window_start: float | None = None
         self._mean: float | None = None
         self._step_warned = self._position_warned = False
+        self._no_time_for: int | None = None  # the stop step whose checkpoint the ranks agreed the grace cannot fit
         self._finished: int | None = None
         self._resumed = False
 
@@ -499,7 +500,10 @@ class Session:
                             "before saving)", step, state.step, step)
             self._step_warned = True
             state.step = step
+        if self.stop_requested and step == self._no_time_for:  # agreed already (finish() asks again): once is enough
+            return None
         if self.stop_requested and not self._grace_allows():
+            self._no_time_for = step  # on every rank: the agreement is collective
             if self.ctx.is_main:
                 log.warning("stopping without a checkpoint of step %d: the grace period is too short", step)
             return None
