@@ -169,16 +169,20 @@ class TorchrunProcess:
     def signal_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
-        for p in self.alive():  # anything that left the group
+        for p in self.alive():  # anything that left the group (a prewarmed rank: through its proxy, but SIGKILL)
             with contextlib.suppress(psutil.Error):
-                if os.getpgid(p.pid) != self.pid:
+                if os.getpgid(p.pid) != self.pid and (sig == signal.SIGKILL or not _forked_by_prewarm(p)):
                     p.send_signal(sig)
 
     def signal_ranks(self, sig: int) -> None:
         """Signal torchrun's workers but not torchrun: a torchrun signalled twice (by Slurm, then by us)
-        aborts its own orderly shutdown. Before any worker exists, torchrun itself is signalled."""
+        aborts its own orderly shutdown. Before any worker exists, torchrun itself is signalled.
+
+        Each rank once: a prewarmed rank is reached through its proxy, which forwards (and without which it ends
+        itself), not also straight from its heartbeat's pid. Training scripts often take a second SIGTERM as
+        "quit now, no checkpoint"; ours hung on it once."""
         self.track()
-        workers = [p for p in self.alive() if p.pid != self.pid]
+        workers = [p for p in self.alive() if p.pid != self.pid and not _forked_by_prewarm(p)]
         if not workers:
             self.signal_group(sig)
         for p in workers:
@@ -211,6 +215,15 @@ class TorchrunProcess:
             self._log.close()
         if isinstance(self.popen, prewarm.ForkedProcess):
             self.popen.close()
+
+
+def _forked_by_prewarm(p: psutil.Process) -> bool:
+    """A rank forked by the prewarm server (its command line is the server's), not the proxy torchrun started."""
+    try:
+        argv = p.cmdline()
+    except psutil.Error:
+        return False
+    return "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == [prewarm.SERVER_MODULE]
 
 
 class TorchrunLauncher:

@@ -55,6 +55,7 @@ log = logging.getLogger("resilient")
 
 ENV_SWITCH = "RESILIENT_PREWARM"
 CLIENT_MODULE = "supervisor.prewarm_client"
+SERVER_MODULE = "supervisor.prewarm"  # its forks (ranks, torchruns) keep its command line
 LAUNCHER = "launcher"  # the role of a fork that becomes an attempt's torchrun (see PrewarmServer.launch)
 TORCHRUN = "supervisor.torchrun"  # torchrun, given only the options this torch knows
 # torch._dynamo: FSDP2's fully_shard reaches DTensor.from_local, which imports it lazily on first use
@@ -82,7 +83,7 @@ class PrewarmServer:
         self.socket = f"@resilient-prewarm-{os.getpid()}-{secrets.token_hex(8)}"
         self._ready = False
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.prewarm", self.socket], env=env, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", SERVER_MODULE, self.socket], env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=preexec_fn)  # type: ignore[arg-type]
 

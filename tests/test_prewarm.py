@@ -196,3 +196,52 @@ def test_a_launcher_fork_outlives_the_server_and_its_end_is_still_seen(tmp_path)
                 os.kill(forked.pid, signal.SIGKILL)
             forked.close()
         srv.close()
+
+
+# ---- the supervisor's stop reaches a prewarmed rank once ----------------------------------------------------
+
+RECORDER = textwrap.dedent("""\
+    import pathlib, signal, sys, time
+    out = pathlib.Path(sys.argv[-1])
+    signal.signal(signal.SIGTERM, lambda *_: out.open("a").write("TERM\\n"))
+    out.write_text("")
+    while True:
+        time.sleep(0.05)
+""")
+
+STAND_IN_TORCHRUN = textwrap.dedent("""\
+    import subprocess, sys, time
+    recorder, out = sys.argv[1:]
+    subprocess.Popen([sys.executable, recorder, "-m", "supervisor.prewarm_client", out], start_new_session=True)
+    time.sleep(120)
+""")
+
+
+def test_a_stop_reaches_a_prewarmed_rank_once_through_its_proxy(tmp_path):
+    """The supervisor knows a prewarmed rank twice: torchrun's child (the proxy, which forwards) and the pid in
+    its heartbeat (the fork, whose command line is the server's). The stop's SIGTERM goes to the proxy alone:
+    a script that takes a second SIGTERM as "quit now" would otherwise lose its stop checkpoint."""
+    import subprocess
+
+    from supervisor.launch import TorchrunProcess
+
+    (tmp_path / "recorder.py").write_text(RECORDER)
+    (tmp_path / "torchrun.py").write_text(STAND_IN_TORCHRUN)
+    proxy_out, fork_out = tmp_path / "proxy", tmp_path / "fork"
+    handle = TorchrunProcess([sys.executable, str(tmp_path / "torchrun.py"), str(tmp_path / "recorder.py"),
+                              str(proxy_out)], child_env(), tmp_path / "torchrun.log")
+    fork = subprocess.Popen([sys.executable, str(tmp_path / "recorder.py"), "-m", prewarm.SERVER_MODULE,
+                             str(fork_out)], start_new_session=True)
+    try:
+        wait_for(lambda: proxy_out.exists() and fork_out.exists(), 30, "the stand-ins")
+        handle.track([fork.pid])
+        handle.signal_ranks(signal.SIGTERM)
+        wait_for(lambda: proxy_out.read_text() == "TERM\n", 10, "the proxy's SIGTERM")
+        with pytest.raises(subprocess.TimeoutExpired):
+            fork.wait(0.5)  # time for a stray signal to land
+        assert fork_out.read_text() == "" and handle.poll() is None, "the fork and torchrun get nothing"
+    finally:
+        assert handle.stop(grace_s=1) == []
+        handle.close()
+        fork.kill()
+        fork.wait(10)
