@@ -12,10 +12,11 @@ class StopRequest:
     """Set from a signal handler or a watchdog thread; read by the training loop once per step.
 
     Plain attributes, no lock. A handler runs between any two bytecodes of the main thread, its own included, and
-    a forked rank gets each SIGTERM twice (from the supervisor, and forwarded by its proxy). A `threading.Event`
-    here let the second run inside the first's `Event.set`, where it blocked for good on the lock that the first
-    held: the rank hung mid-step, the stop's grace ran out, and both ranks were SIGKILLed without their stop
-    checkpoint (twice in CI).
+    a rank can get a SIGTERM twice within microseconds (Slurm signals every process of a step; a prewarmed rank
+    got one from the supervisor and one through its proxy until 2026-11-27). With a `threading.Event` here, the
+    second run could start inside the first's `Event.set` and block for good on the lock the first held: the
+    rank hung mid-step and was SIGKILLed when the stop's grace ran out, without its stop checkpoint (reproduced
+    outside the suite; the likely cause of two CI failures of the hangup test).
     """
 
     def __init__(self) -> None:
