@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from types import CodeType
 
+import pytest
 from rich.console import Console
 
 from supervisor.console import EventConsole
@@ -85,3 +86,29 @@ def test_the_supervisors_console_can_speak_from_a_handler_in_the_middle_of_a_lin
         return (lambda: console.event("a line")), (lambda: console.event("suspended"))
 
     assert blocking_points(make, only=EventConsole._print.__code__) == []
+
+
+HANGUP = """
+import os, signal, sys
+from train_entry import signals
+if sys.argv[1] == "ignored":
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+stop = signals.StopRequest()
+signals.install(stop)
+os.kill(os.getpid(), signal.SIGHUP)
+print(stop.reason)
+"""
+
+
+@pytest.mark.parametrize("start", ["default", "ignored"])
+def test_a_hangup_asks_a_rank_to_stop_unless_it_was_started_ignoring_it(start):
+    """torchrun passes the signal it got on to its workers: a hung-up torchrun's ranks checkpoint and stop, as
+    for SIGTERM, instead of dying of it; under `nohup` the hangup stays ignored."""
+    import subprocess
+
+    from tests.proc import child_env
+
+    out = subprocess.run([sys.executable, "-c", HANGUP, start], capture_output=True, text=True, env=child_env(),
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("SIGHUP" if start == "default" else "None")

@@ -1,4 +1,4 @@
-"""Signals: SIGTERM/SIGINT ask for a graceful stop at the next step boundary; SIGUSR1 dumps stacks."""
+"""Signals: SIGTERM/SIGINT/SIGHUP ask for a graceful stop at the next step boundary; SIGUSR1 dumps stacks."""
 
 from __future__ import annotations
 
@@ -33,7 +33,11 @@ class StopRequest:
 
 
 def install(stop: StopRequest) -> None:
-    """SIGTERM/SIGINT → `stop`; SIGUSR1 → every thread's Python stack to stderr (the rank's log), and on.
+    """SIGTERM/SIGINT/SIGHUP → `stop`; SIGUSR1 → every thread's Python stack to stderr (the rank's log), and on.
+
+    SIGHUP: torchrun passes the signal it got on to its workers, so a torchrun hung up (its terminal closed, or
+    `kill -HUP`) used to end the ranks outright, without the checkpoint a SIGTERM gets. A rank started with it
+    ignored (`nohup torchrun …`) keeps it ignored, as `resilient run` does.
 
     faulthandler's handler runs in C at delivery, so it dumps even when the main thread is stuck inside a
     collective that never returns to the interpreter.
@@ -44,4 +48,6 @@ def install(stop: StopRequest) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, on_signal)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
