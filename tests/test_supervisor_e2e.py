@@ -180,8 +180,8 @@ def test_a_hangup_of_the_supervisor_checkpoints_exits_143_and_a_rerun_resumes(tm
 
 def test_ranks_still_running_when_the_stop_grace_runs_out_have_their_stacks_taken_before_the_kill(tmp_path):
     """A stop whose checkpoint cannot finish within the grace (here a save paused for two minutes): the ranks are
-    SIGKILLed, but first their stacks go to their logs and the evidence file, as for a hang. Twice in CI a rank
-    hung in the stop (a handler that took a lock, fixed since) and nothing said where."""
+    SIGKILLed, but first their stacks go to their logs and the evidence file, as for a hang. Twice in CI the ranks
+    hung or died silently in a stop (most likely a handler that took a lock, fixed since) and nothing said where."""
     run_dir = tmp_path / "run"
     argv = run_job(run_dir, "stop_timeout_s=6", "checkpoint.interval_steps=100000", steps=400,
                    extra_args=("--test-save-pause", "mid_data:120"))
