@@ -171,7 +171,7 @@ class TorchrunProcess:
             os.killpg(self.pid, sig)
         for p in self.alive():  # anything that left the group (a prewarmed rank: through its proxy, but SIGKILL)
             with contextlib.suppress(psutil.Error):
-                if os.getpgid(p.pid) != self.pid and (sig == signal.SIGKILL or not _forked_by_prewarm(p)):
+                if os.getpgid(p.pid) != self.pid and (sig == signal.SIGKILL or not prewarm.forked_by_server(p)):
                     p.send_signal(sig)
 
     def signal_ranks(self, sig: int) -> None:
@@ -182,7 +182,7 @@ class TorchrunProcess:
         itself), not also straight from its heartbeat's pid. Training scripts often take a second SIGTERM as
         "quit now, no checkpoint"; ours hung on it once."""
         self.track()
-        workers = [p for p in self.alive() if p.pid != self.pid and not _forked_by_prewarm(p)]
+        workers = [p for p in self.alive() if p.pid != self.pid and not prewarm.forked_by_server(p)]
         if not workers:
             self.signal_group(sig)
         for p in workers:
@@ -215,15 +215,6 @@ class TorchrunProcess:
             self._log.close()
         if isinstance(self.popen, prewarm.ForkedProcess):
             self.popen.close()
-
-
-def _forked_by_prewarm(p: psutil.Process) -> bool:
-    """A rank forked by the prewarm server (its command line is the server's), not the proxy torchrun started."""
-    try:
-        argv = p.cmdline()
-    except psutil.Error:
-        return False
-    return "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == [prewarm.SERVER_MODULE]
 
 
 class TorchrunLauncher:

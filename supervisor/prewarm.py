@@ -46,9 +46,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from supervisor import prewarm_client
+
+if TYPE_CHECKING:
+    import psutil
 from supervisor.prewarm_client import ENV_SOCKET  # noqa: F401 (the launcher sets it)
 
 log = logging.getLogger("resilient")
@@ -184,6 +187,18 @@ class ForkedProcess:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+
+
+def forked_by_server(p: psutil.Process) -> bool:
+    """A process this module's server forked (a rank or a torchrun: each keeps the server's command line), not the
+    proxy torchrun started for a rank."""
+    import psutil  # the supervisor's side only: the server itself never needs it
+
+    try:
+        argv = p.cmdline()
+    except psutil.Error:
+        return False
+    return "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == [SERVER_MODULE]
 
 
 def address(name: str) -> str:
