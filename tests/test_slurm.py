@@ -189,8 +189,9 @@ def test_preemption_warning_checkpoints_requeues_once_and_the_requeued_job_resum
 
 
 def test_scancel_checkpoints_and_does_not_requeue(slurm, tmp_path):
+    """Also: a stop_timeout_s longer than the cluster's KillWait (30 s here) is warned of at start, naming both."""
     run_dir = tmp_path / "run"
-    job_id = submit(tmp_path, run_dir, steps=400)
+    job_id = submit(tmp_path, run_dir, 400, "stop_timeout_s=45")
     try:
         wait_job(job_id, tmp_path, lambda: training(run_dir, min_step=5), 120, "training on both ranks")
         subprocess.run(["scancel", job_id], check=True, timeout=30)  # SIGTERM to every process, then KillWait
@@ -200,6 +201,10 @@ def test_scancel_checkpoints_and_does_not_requeue(slurm, tmp_path):
         cancel(job_id)
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", (info, output)
     assert "SIGTERM: not requeueing" in output and "requeueing job" not in output, output
+    config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=15).stdout
+    kill_wait = int(re.search(r"^KillWait\s*=\s*(\d+)", config, re.M).group(1))
+    warned = f"stop_timeout_s is 45s but this Slurm cluster's KillWait is {kill_wait}s" in output
+    assert warned == (kill_wait < 45), output
     doc = status(run_dir)
     assert doc["state"] == "stopped", doc
     latest = store.latest_valid(run_dir / "checkpoints", deep=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from supervisor import state
+from supervisor import slurm, state
 from supervisor.config import NAME_RE, JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, UsageError
@@ -226,6 +226,9 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
                           "torchrun --standalone", style="yellow")
         if not inside(cfg.checkpoint.dir, cfg.run_dir):
             console.event(f"checkpoint root {cfg.checkpoint.dir} (outside the run dir, as checkpoint.dir says)")
+        too_long = slurm.stop_outlasts_kill_wait(cfg.stop_timeout_s, slurm.kill_wait_s())
+        if too_long:
+            console.event(too_long, style="yellow")
         reap_orphans(layout, cfg, console)
         sup = Supervisor(cfg, layout, console=console, launcher=make_launcher())
         stopping = stop_signals()
