@@ -27,6 +27,7 @@ from typing import Any
 
 import psutil
 
+from supervisor import prewarm
 from supervisor.layout import recorded
 from supervisor.protocol import Heartbeat
 from supervisor.watch import Hang
@@ -69,12 +70,14 @@ def _unheard(pid: int) -> dict[str, Any]:
     worker is its proxy (`supervisor.prewarm_client`): the facts are then the rank's own, a fork of the prewarm
     server, found as the process that writes to the same log."""
     facts: dict[str, Any] = {}
+    proxy = False
     with contextlib.suppress(psutil.Error):
         p = psutil.Process(pid)
         facts["cmdline"] = " ".join(p.cmdline())[:2000]
         env = p.environ()
         facts.update({k.lower(): int(env[k]) for k in ("RANK", "LOCAL_RANK") if env.get(k, "").isdigit()})
-    fork = _fork_of(pid) if "supervisor.prewarm_client" in facts.get("cmdline", "") else None
+        proxy = prewarm.is_proxy(p)
+    fork = _fork_of(pid) if proxy else None
     if fork is not None:
         facts["prewarm_proxy_pid"] = pid
     return {**_proc_facts(fork if fork is not None else pid), **facts}

@@ -192,13 +192,22 @@ class ForkedProcess:
 def forked_by_server(p: psutil.Process) -> bool:
     """A process this module's server forked (a rank or a torchrun: each keeps the server's command line), not the
     proxy torchrun started for a rank."""
+    return _runs_module(p, SERVER_MODULE)
+
+
+def is_proxy(p: psutil.Process) -> bool:
+    """The proxy torchrun started for a prewarmed rank (`-m supervisor.prewarm_client ENTRY...`)."""
+    return _runs_module(p, CLIENT_MODULE)
+
+
+def _runs_module(p: psutil.Process, module: str) -> bool:
     import psutil  # the supervisor's side only: the server itself never needs it
 
     try:
         argv = p.cmdline()
     except psutil.Error:
         return False
-    return "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == [SERVER_MODULE]
+    return "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == [module]
 
 
 def address(name: str) -> str:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from supervisor import prewarm
+
 GEN_RE = re.compile(r"^gen_(\d+)$")
 
 
@@ -106,11 +108,12 @@ def _is_torchrun(pid: int) -> bool:
     """torchrun, started as itself or by resilient (a zygote's, or a fork of the prewarm server, which keeps the
     server's command line)."""
     try:
-        command = " ".join(psutil.Process(pid).cmdline())
+        p = psutil.Process(pid)
+        command = " ".join(p.cmdline())
     except psutil.Error:
         return False
-    return any(m in command for m in ("torch.distributed.run", "supervisor.torchrun", "supervisor.prewarm ",
-                                      "supervisor.zygote", "bin/torchrun"))
+    return prewarm.forked_by_server(p) or any(m in command for m in ("torch.distributed.run", "supervisor.torchrun",
+                                                                       "supervisor.zygote", "bin/torchrun"))
 
 
 def _describe(pid: int) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from supervisor import slurm, state
+from supervisor import prewarm, slurm, state
 from supervisor.config import NAME_RE, JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, UsageError
@@ -120,9 +120,8 @@ def reap_orphans(layout: RunLayout, cfg: JobConfig, console: EventConsole) -> No
         prev = state.read(layout.state_file)
     except state.StateFileError:
         return
-    # A relaunched attempt's ranks are forks of the prewarm server: their command line is the server's.
     markers = [m for m in (cfg.entrypoint.module, str(cfg.entrypoint.script or ""), "supervisor.torchrun",
-                           "torch.distributed.run", "supervisor.prewarm") if m]
+                           "torch.distributed.run") if m]
     procs = []
     for r in prev.ranks:
         with contextlib.suppress(psutil.Error, KeyError, TypeError, ValueError):
@@ -131,7 +130,8 @@ def reap_orphans(layout: RunLayout, cfg: JobConfig, console: EventConsole) -> No
             # creation time is whole-second coarse).
             if r.get("started_at") and p.create_time() > float(r["started_at"]) + ORPHAN_START_SLACK_S:
                 continue
-            if any(m in " ".join(p.cmdline()) for m in markers):
+            # A relaunched attempt's ranks are forks of the prewarm server: their command line is the server's.
+            if prewarm.forked_by_server(p) or any(m in " ".join(p.cmdline()) for m in markers):
                 procs.append(p)
     if not procs:
         return
