@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor import store
+from supervisor import prewarm, store
 from supervisor.protocol import CommitRecord, SaveRecord, read_step_log
 from tests.ckpt_helpers import assert_same_training_state
 from tests.proc import REPO, Proc, child_env, started, wait_for
@@ -204,13 +204,18 @@ def test_ranks_still_running_when_the_stop_grace_runs_out_have_their_stacks_take
         assert "most recent call first" in dump and "in maybe" in dump, dump[-2000:]  # the test pause's frame
 
 
-def test_sigterm_with_a_stopped_rank_continues_it_and_checkpoints_within_the_grace(tmp_path):
+@pytest.mark.parametrize("forked", [False, True], ids=["cold-ranks", "prewarmed-ranks"])
+def test_sigterm_with_a_stopped_rank_continues_it_and_checkpoints_within_the_grace(tmp_path, forked):
     """A rank stopped by SIGSTOP (or a debugger) when the supervisor is asked to stop: it is continued with the
     SIGTERM, so the group checkpoints at its stop step within the grace (it once stayed stopped through the whole
-    grace, then got a second one, and the console named an older checkpoint than the one the ranks committed)."""
+    grace, then got a second one, and the console named an older checkpoint than the one the ranks committed).
+    A prewarmed rank (the default, from the first attempt on) is a fork of the prewarm server, which both signals
+    reach only through its proxy; RESILIENT_PREWARM=0 starts the ranks as torchrun's own children."""
     run_dir = tmp_path / "run"
-    with started(run_job(run_dir, steps=400), tmp_path, log=tmp_path / "sup.log") as sup:
+    env = child_env() if forked else child_env(RESILIENT_PREWARM="0")
+    with started(run_job(run_dir, steps=400), tmp_path, env=env, log=tmp_path / "sup.log") as sup:
         ranks = wait_for(lambda: live_ranks(run_dir, min_step=25), 90, "training past the first checkpoint")
+        assert prewarm.forked_by_server(psutil.Process(ranks[1]["pid"])) == forked
         os.kill(ranks[1]["pid"], signal.SIGSTOP)
         signalled_at = time.monotonic()
         sup.signal(signal.SIGTERM)
