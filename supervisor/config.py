@@ -714,11 +714,17 @@ def _read_job_file(path: Path, shown: str) -> str:
                           "access, or run as its owner.") from None
     except OSError as e:
         raise ConfigError(f"{shown}: cannot open the job file ({e.strerror or e}); check the path.") from None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if stat.S_ISDIR(mode):  # checked before fdopen, which refuses a folder with a traceback's error
+        os.close(fd)
+        raise ConfigError(f"{shown}: is a folder, not a job file; pass the .yaml file (a run dir resumes as "
+                          "`resilient run JOB.yaml --run-dir DIR`).")
     with os.fdopen(fd, "rb") as f:
         try:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISDIR(mode):
-                raise ConfigError(f"{shown}: is a folder, not a job file; pass the .yaml file.")
             if not stat.S_ISREG(mode) and not stat.S_ISCHR(mode):  # /dev/null reads as an empty file
                 raise ConfigError(f"{shown}: is not a regular file (a FIFO or a socket); pass the .yaml file.")
             data = f.read(MAX_JOB_BYTES + 1)

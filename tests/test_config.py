@@ -261,12 +261,15 @@ def test_bad_job_files_exit_2_with_one_line_naming_line_and_key(case, tmp_path, 
 
 
 def test_a_job_file_that_is_no_text_file_is_one_sentence_and_never_waited_on(tmp_path, cli):
-    """A FIFO as the job file waited forever for a writer; bytes that are not UTF-8 gave no line and no fix."""
+    """A FIFO as the job file waited forever for a writer; bytes that are not UTF-8 gave no line and no fix; a
+    folder (a run dir given as the job, to resume it) was a traceback."""
     import os
 
     os.mkfifo(tmp_path / "fifo.yaml")
     (tmp_path / "latin1.yaml").write_bytes(b"name: x\nentrypoint: {module: m}\nenv: {A: caf\xe9}\n")
+    (tmp_path / "folder.yaml").mkdir()
     for name, words in (("fifo.yaml", "is not a regular file (a FIFO or a socket)"),
+                        ("folder.yaml", "is a folder, not a job file; pass the .yaml file"),
                         ("latin1.yaml", "latin1.yaml:3: the job file is not UTF-8 text (byte 0xe9); save it as UTF-8")):
         result = cli("run", tmp_path / name)
         assert result.exit_code == 2 and words in result.stderr and len(result.stderr.splitlines()) == 1, result.output
