@@ -544,3 +544,26 @@ def test_a_root_another_live_run_holds_is_refused_before_a_new_run_dir_is_made(t
         r = cli("run", job, "--run-dir", tmp_path / "new-run", "--set", f"checkpoint.dir={root}")
     assert r.exit_code == 3 and "checkpoint root of another live run" in r.stderr, r.output
     assert not (tmp_path / "new-run").exists()
+
+
+def test_a_folder_holding_other_things_is_refused_as_run_dir_and_nothing_is_written(tmp_path, cli, monkeypatch):
+    """`run_dir: /` wrote job.json, state.json, logs/ and checkpoints/ into the system's root; `.` does the same into
+    a project. A folder that is not (yet) a run's is refused unless it holds only what may sit beside a run."""
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", finished_attempt)
+    job = tmp_path / "demo.yaml"
+    job.write_text(JOB)
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "train.py").write_text("print('mine')\n")
+    r = cli("run", job, "--run-dir", project)
+    assert r.exit_code == 2, r.output
+    assert "the run dir already holds things that are not a run's ('src', 'train.py')" in r.stderr, r.stderr
+    assert sorted(os.listdir(project)) == ["src", "train.py"], "a refused run dir must get nothing written"
+    # Job files, notes, dotfiles, a volume's lost+found and a refused run's lock may sit beside a first run.
+    fresh = tmp_path / "fresh"
+    (fresh / "lost+found").mkdir(parents=True)
+    for name in ("demo.yaml", "NOTES.md", ".envrc", "supervisor.lock"):
+        (fresh / name).write_text("")
+    r = cli("run", job, "--run-dir", fresh)
+    assert r.exit_code == 0, r.output
+    assert steps(fresh / "checkpoints") == [20, 40, 60]

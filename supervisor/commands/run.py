@@ -20,8 +20,8 @@ from supervisor.config import NAME_RE, JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, UsageError
 from supervisor.fsutil import read_json, write_problem
-from supervisor.layout import RunLayout, inside
-from supervisor.lock import RootClaim, RunLock
+from supervisor.layout import JOB_FILE, NODES_DIR, STATE_FILE, RunLayout, inside, looks_like_run_dir
+from supervisor.lock import LOCK_FILE, RootClaim, RunLock
 
 OWN_PACKAGES = ("supervisor", "train_entry")
 
@@ -95,6 +95,34 @@ def check_same_job(cfg: JobConfig, layout: RunLayout) -> None:
         raise ConfigError(f"{layout.run_dir} holds the run of job {recorded!r} (its {layout.job_file.name}), not "
                           f"{cfg.name!r}; nothing was launched. Give this job a run dir of its own (--run-dir), or, "
                           f"if it is the same job renamed, run it with --set name={recorded}.")
+
+
+# What a run dir holds before its job.json is written (a run that stopped at a refusal, a first node's folder), and
+# what a user keeps beside a run: anything else means the folder is not a run dir (`/`, a home, a project).
+RUN_DIR_NAMES = frozenset({JOB_FILE, STATE_FILE, NODES_DIR, LOCK_FILE, "checkpoints", "logs", "heartbeats", "steps",
+                           "rdzv", "control.json", "lost+found"})
+JOB_SUFFIXES = (".yaml", ".yml", ".json", ".md", ".txt", ".log")
+
+
+def check_run_dir_is_a_run_dir(cfg: JobConfig, layout: RunLayout, local: Path | None) -> None:
+    """A folder that already holds other things than a run (`run_dir: /`, `.` in a project, a home) is refused
+    before resilient writes its state, logs and checkpoints among them: one sentence, exit 2."""
+    run_dir = layout.run_dir
+    if looks_like_run_dir(run_dir):
+        return
+    try:
+        names = os.listdir(run_dir)
+    except OSError:  # none yet (made afresh), or check_writable names what is wrong with it
+        return
+    roots = {r.relative_to(run_dir).parts[0] for r in (cfg.checkpoint.dir, local)
+             if r is not None and r != run_dir and inside(r, run_dir)}
+    foreign = sorted(n for n in names if not (n in RUN_DIR_NAMES or n in roots or n.startswith(".")
+                                               or n.endswith(JOB_SUFFIXES) or n.startswith(STATE_FILE)))
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(f"{run_dir}: the run dir already holds things that are not a run's ({shown}); nothing was "
+                          "launched. A run dir is resilient's own folder: give the job a new or empty one (--run-dir, "
+                          "or run_dir in the job file).")
 
 
 def node_name(cfg: JobConfig, node: str | None) -> str | None:
@@ -205,6 +233,7 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     layout = RunLayout(cfg.run_dir, node_name(cfg, node))
     local = local_tier(cfg, layout)
     check_writable(cfg, layout, local)
+    check_run_dir_is_a_run_dir(cfg, layout, local)
     check_same_job(cfg, layout)
     claims = [RootClaim(root, cfg.run_dir, key) for root, key in ((local, "checkpoint.local_dir"),
                                                                   (cfg.checkpoint.dir, "checkpoint.dir"))
