@@ -1,8 +1,9 @@
 """Retention: which checkpoint folders `gc` and the supervisor may delete, and deleting them.
 
 Rules: keep the N newest valid checkpoints and never the newest valid one; remove older valid ones and
-invalid folders, never a quarantined one (evidence the supervisor set aside) nor one that could not be read
-(a permission or an I/O error says nothing about its bytes); remove a partial save only when
+invalid folders (committed ones only while a valid checkpoint remains), never a quarantined one (evidence the
+supervisor set aside) nor one that could not be read (a permission or an I/O error says nothing about its
+bytes); remove a partial save only when
 no live writer can own it (its writer lock is free, and either no supervisor holds the run dir or the
 partial is older than the newest valid checkpoint).
 """
@@ -103,6 +104,9 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
                 remove.append(Removal(info.path, info.step, info.size_bytes, "abandoned partial save"))
         elif owner_alive and not older:
             spared.append((info, "newer than the newest valid and the run is live (kept as evidence)"))
+        elif newest_valid is None:
+            spared.append((info, f"{info.status.value} ({info.reason}), but no valid checkpoint is left here: kept as "
+                                 "all that remains of the run's progress; remove it by hand once understood"))
         else:
             remove.append(Removal(info.path, info.step, info.size_bytes, f"{info.status.value}: {info.reason}"))
     if root.is_dir():

@@ -315,3 +315,32 @@ def test_saving_a_step_again_sets_an_unreadable_folder_of_that_step_aside_instea
     assert [(q["step"], q["path"]) for q in json.loads(r.stdout)["quarantined"]] == [(200, aside.name)], r.stdout
     r = cli("status", tmp_path)
     assert f"set aside step 200 as {aside.name}: an unreadable step_000000200" in r.stdout, r.stdout
+
+
+def test_gc_where_no_checkpoint_is_valid_removes_abandoned_partials_only(tmp_path, cli):
+    """With nothing valid left, gc deleted every damaged checkpoint and exited 0: all that remained of the run's
+    progress (a bit flipped in a shard can be salvaged by hand; a deleted folder cannot). They are spared, named
+    with the reason; an abandoned partial save still goes."""
+    from tests.ckpt_helpers import truncate
+
+    root = tmp_path / "ckpt"
+    for step in (100, 200, 300):
+        write_checkpoint(root, step)
+    abandoned = write_checkpoint(root, 400, commit=False)
+    flip_byte(root / store.step_dirname(100) / ".metadata", 3)
+    truncate(root / store.step_dirname(200) / "__1_0.distcp")
+    (root / store.step_dirname(300) / store.MARKER).unlink()
+    before = [c["status"] for c in json.loads(cli("inspect-checkpoint", root, "--json").stdout)["checkpoints"]]
+    assert before == ["corrupt", "corrupt", "incomplete", "incomplete"], before
+
+    r = cli("gc", root, "--keep", "1", "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["kept"] == [], r.output
+    assert [x["step"] for x in doc["removed"]] == [400] and not abandoned.path.exists(), doc
+    assert [x["step"] for x in doc["spared"]] == [100, 200, 300], doc
+    assert all("no valid checkpoint is left here" in x["why"] for x in doc["spared"]), doc
+    assert [p.name for p in store.checkpoint_dirs(root)] == [store.step_dirname(s) for s in (100, 200, 300)]
+    # Once a valid checkpoint is there again, the damaged older ones go as before.
+    write_checkpoint(root, 500)
+    doc = json.loads(cli("gc", root, "--keep", "1", "--json").stdout)
+    assert doc["kept"] == [500] and sorted(x["step"] for x in doc["removed"]) == [100, 200, 300], doc
