@@ -83,9 +83,20 @@ def _unreadable(e: OSError) -> ResilientError:
     return ResilientError(f"{where}: cannot be read ({reason}); check the filesystem and run the command again.")
 
 
+WAIT_RANKS_S = 300.0  # status --wait-ranks, without --wait-timeout
 TARGET = typer.Argument(None, metavar="TARGET",
                         help="A job file, run dir or checkpoint root (default: the current folder).")
 JSON = typer.Option(False, "--json", help="Print JSON on stdout.")
+
+
+def _with_run_dir(sets: list[str], run_dir: str | None) -> list[str]:
+    """--set overrides plus --run-dir, which is `--set run_dir=DIR`: both at once is ambiguous, and refused."""
+    if run_dir is None:
+        return list(sets)
+    given = [s for s in sets if s.split("=", 1)[0].strip() == "run_dir"]
+    if given:
+        raise UsageError(f"--run-dir {run_dir} and --set {given[0]} both name the run dir; pass one of them.")
+    return [*sets, f"run_dir={run_dir}"]
 
 
 @app.command()
@@ -103,8 +114,7 @@ def run(
     def body() -> int:
         from supervisor.commands import run as run_cmd
 
-        overrides = list(set_) + ([f"run_dir={run_dir}"] if run_dir is not None else [])
-        return run_cmd.main(job, overrides, node)
+        return run_cmd.main(job, _with_run_dir(set_, run_dir), node)
 
     _guard(False, body)
 
@@ -120,8 +130,8 @@ def status(
     wait_ranks: bool = typer.Option(
         False, "--wait-ranks", help="First wait until every rank of the current attempt is alive and training "
         "(the run dir may not exist yet); exit 1 if the run ends or --wait-timeout passes first."),
-    wait_timeout: float = typer.Option(300.0, "--wait-timeout", metavar="S",
-                                       help="Seconds --wait-ranks waits at most."),
+    wait_timeout: Optional[float] = typer.Option(  # noqa: UP045
+        None, "--wait-timeout", metavar="S", help="Seconds --wait-ranks waits at most (default 300)."),
     run_dir: Optional[str] = typer.Option(  # noqa: UP045
         None, "--run-dir", metavar="DIR", help="With a job file as TARGET: the run dir `run JOB --run-dir DIR` uses."),
     set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
@@ -132,13 +142,16 @@ def status(
     def body() -> int:
         from supervisor.commands import status as status_cmd
 
-        if not (math.isfinite(wait_timeout) and wait_timeout >= 0):  # nan waited for ever, -1 not at all
-            raise UsageError(f"--wait-timeout {wait_timeout:g}: seconds to wait, a number from 0 up.")
+        if wait_timeout is not None and not wait_ranks:
+            raise UsageError(f"--wait-timeout {wait_timeout:g} is how long --wait-ranks waits; add --wait-ranks, or "
+                             "drop --wait-timeout.")
+        timeout = WAIT_RANKS_S if wait_timeout is None else wait_timeout
+        if not (math.isfinite(timeout) and timeout >= 0):  # nan waited for ever, -1 not at all
+            raise UsageError(f"--wait-timeout {timeout:g}: seconds to wait, a number from 0 up.")
         where = target
         if run_dir is not None or set_:
-            where = status_cmd.run_dir_of(target, [*set_, *([f"run_dir={run_dir}"] if run_dir is not None else [])],
-                                          must_exist=not wait_ranks)
-        return status_cmd.main(where, as_json, watch, plot=plot, wait_ranks_s=wait_timeout if wait_ranks else None)
+            where = status_cmd.run_dir_of(target, _with_run_dir(set_, run_dir), must_exist=not wait_ranks)
+        return status_cmd.main(where, as_json, watch, plot=plot, wait_ranks_s=timeout if wait_ranks else None)
 
     _guard(as_json, body, reads_files=True)
 

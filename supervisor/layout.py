@@ -135,9 +135,17 @@ def recorded_checkpoint_root(run_dir: Path) -> Path:
         return run_dir / "checkpoints"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         why = e.strerror if isinstance(e, OSError) else f"not a job record: {e.__class__.__name__} {e}"
-        raise UsageError(f"{path} cannot be read ({why}); it records where this run's checkpoints are: pass the "
-                         "checkpoint root you mean as TARGET (`resilient run` on the run dir writes it anew).") \
-            from None
+        raise JobRecordError(f"{path} cannot be read ({why}); it records where this run's checkpoints are: pass "
+                             "the checkpoint root you mean as TARGET (`resilient run` on the run dir writes it "
+                             "anew).", why) from None
+
+
+class JobRecordError(UsageError):
+    """A run dir's job.json that cannot be read, and why."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
 
 
 def inside(path: Path, folder: Path) -> bool:

@@ -82,9 +82,14 @@ def _in_checkpoint(path: Path) -> bool:
     return bool(store.STEP_RE.match(name) or store.PARTIAL_RE.match(name) or store.QUARANTINE_RE.match(name))
 
 
-def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
+_said: set[Path] = set()  # run dirs whose unreadable job.json this process has told of
+
+
+def resolve(target: str | None, *, allow_checkpoint: bool = False, reads_only: bool = False) -> Target:
     """Work out what TARGET names. Raises UsageError (exit 2) for a path that does not exist, and for a
-    folder with no run and no checkpoints (the same sentence from every command)."""
+    folder with no run and no checkpoints (the same sentence from every command). `reads_only` (status, logs):
+    a run dir whose job.json cannot be read is still read, its checkpoint root taken from its state file (said on
+    stderr); commands that act on checkpoints refuse it, since acting on the wrong root would delete."""
     given = target or "."
     path = Path(os.path.abspath(os.path.expanduser(given)))
     if not path.exists():
@@ -107,11 +112,39 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False) -> Target:
         step = int(name[5:14])
         return Target(given, _run_dir_of_root(path.parent), path.parent, step)
     if layout.looks_like_run_dir(path):
-        return Target(given, path, layout.recorded_checkpoint_root(path))
+        try:
+            return Target(given, path, layout.recorded_checkpoint_root(path))
+        except UsageError as e:
+            if not reads_only:
+                raise
+            root = _root_from_state(path)
+            from supervisor import render
+
+            if path in _said:  # once, not at every refresh of --watch or poll of --wait-ranks
+                return Target(given, path, root)
+            _said.add(path)
+            why = f" ({e.why})" if isinstance(e, layout.JobRecordError) else f": {e}"
+            render.err.print(f"{path / layout.JOB_FILE} cannot be read{why}; the run is read with the checkpoint "
+                             f"root its state file records, {root}", highlight=False, soft_wrap=True, markup=False)
+            return Target(given, path, root)
     run_dir = _run_dir_of_root(path)
     if run_dir is None and not _holds_checkpoints(path):
         raise nothing_here(given)
     return Target(given, run_dir, path)
+
+
+def _root_from_state(run_dir: Path) -> Path:
+    """The checkpoint root the run dir's (first readable) state file records, resolved inside it; the default
+    <run_dir>/checkpoints when none says."""
+    from supervisor import state
+
+    for path in layout.state_files(run_dir):
+        try:
+            recorded = state.read(path).checkpoint_dir
+            return layout.resolved(recorded, run_dir, what=f"{path} (checkpoint_dir)")
+        except (state.StateFileError, UsageError, TypeError):
+            continue
+    return run_dir / "checkpoints"
 
 
 def local_tiers(t: Target) -> list[tuple[str, Path]]:

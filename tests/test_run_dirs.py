@@ -567,3 +567,43 @@ def test_a_folder_holding_other_things_is_refused_as_run_dir_and_nothing_is_writ
     r = cli("run", job, "--run-dir", fresh)
     assert r.exit_code == 0, r.output
     assert steps(fresh / "checkpoints") == [20, 40, 60]
+
+
+def test_status_and_logs_read_a_run_whose_job_record_is_damaged_gc_still_refuses(finished_run, cli):
+    """A damaged job.json made status and logs exit 2 with a fix (pass the checkpoint root) that gave "no run
+    here"; neither needs it. They read the run, saying once where its checkpoints are taken from; gc, which
+    would delete in the wrong folder, still refuses."""
+    run_dir = finished_run()
+    (run_dir / "job.json").write_text("{")
+    r = cli("status", run_dir, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["last_checkpoint_step"] == 60, r.output
+    assert r.stderr.count("job.json cannot be read") == 1, r.stderr
+    assert f"the checkpoint root its state file records, {run_dir / 'checkpoints'}" in r.stderr, r.stderr
+    r = cli("logs", run_dir)
+    assert r.exit_code == 0 and "attempt 1 hello from rank 1" in r.stdout, r.output
+    r = cli("gc", run_dir, "--keep", "1")
+    assert r.exit_code == 2 and "job.json cannot be read" in r.stderr and steps(run_dir / "checkpoints") == [20, 40, 60]
+
+
+def test_status_wait_ranks_waits_out_a_damaged_state_file_and_an_ended_run_is_said_as_ended(tmp_path, cli):
+    """`resilient run` sets a damaged state.json aside: --wait-ranks exited 2 at once; now it waits. A run that
+    has ended, asked with a timeout shorter than the grace given to a restart, is said to have ended."""
+    (tmp_path / "state.json").write_text("{")
+    r = cli("status", tmp_path, "--wait-ranks", "--wait-timeout", "0.3")
+    assert r.exit_code == 1 and "no run with all ranks training after 0.3s" in r.stderr, r.output
+    rec = state.RunRecord(name="w", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.SUCCEEDED)
+    state.write(tmp_path / "state.json", rec)
+    r = cli("status", tmp_path, "--wait-ranks", "--wait-timeout", "0.3")
+    assert r.exit_code == 1 and "the run has ended (succeeded)" in r.stderr, r.output
+
+
+def test_options_that_would_be_ignored_or_contradict_each_other_are_refused(tmp_path, cli):
+    """--wait-timeout without --wait-ranks did nothing; --run-dir A with --set run_dir=B took A without a word."""
+    job = tmp_path / "demo.yaml"
+    job.write_text(JOB)
+    r = cli("status", tmp_path, "--wait-timeout", "3")
+    assert r.exit_code == 2 and "add --wait-ranks, or drop --wait-timeout" in r.stderr, r.output
+    for command in ("run", "status"):
+        r = cli(command, job, "--run-dir", tmp_path / "a", "--set", f"run_dir={tmp_path / 'b'}")
+        assert r.exit_code == 2 and "both name the run dir; pass one of them" in r.stderr, r.output
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -210,7 +210,7 @@ def main(target: str | None, rank: int | None, attempt: int | None, follow: bool
 
 
 def _logs(target: str | None, rank: int | None, attempt: int | None, follow: bool, poll_s: float) -> int:
-    t = targets.resolve(target)
+    t = targets.resolve(target, reads_only=True)
     files = targets.state_files(t)
     run_dir = t.run_dir
     assert run_dir is not None

@@ -335,7 +335,7 @@ def run_dir_of(target: str | None, overrides: list[str], *, must_exist: bool = T
 
 
 def collect(target: str | None) -> StatusResult:
-    t = targets.resolve(target)
+    t = targets.resolve(target, reads_only=True)
     files = targets.state_files(t)
     run_dir = t.run_dir
     assert run_dir is not None
@@ -346,7 +346,7 @@ def collect(target: str | None) -> StatusResult:
             why = ("it is damaged (a machine that crashed mid-write, or a hand edit); `resilient run` sets it aside "
                    "and starts the run's record afresh, its checkpoints read as always" if damaged else
                    "was it written by a newer resilient?")
-            raise UsageError(f"{n.error}; {why}")
+            raise (NotYetError if damaged else UsageError)(f"{n.error}; {why}")  # --wait-ranks waits out a damaged one
         if not n.alive and not n.record.state.final:
             settle_orphan(n.record, n.node_dir, t.checkpoint_root, run_dir)
         nodes.append(NodeStatus(n.record, n.node_dir, n.alive))
@@ -373,7 +373,7 @@ def wait_for_ranks(target: str | None, timeout_s: float, poll_s: float = 0.2) ->
         ended = result is not None and result.primary.effective_state.final
         ended_since = (ended_since or now) if ended else None
         # A finished run dir about to be resumed reads "succeeded" until its new supervisor starts: give it time.
-        if ended_since is not None and now - ended_since >= ENDED_GRACE_S:
+        if ended_since is not None and (now - ended_since >= ENDED_GRACE_S or now > deadline):
             assert result is not None
             raise ResilientError(f"{where}: the run has ended ({result.state.value}) and no ranks are training; "
                                  "start one with `resilient run JOB.yaml --run-dir DIR` (a fresh DIR starts over).")
