@@ -429,7 +429,8 @@ class Supervisor:
             self.console.event(outcome.detail, style="yellow")
         self._transition(RunState.SUCCEEDED)
         # Said once the session's books are closed (after the exit copy): the figures `status` then shows.
-        self._farewell = lambda g: (f"finished at step {outcome.step} after {len(self.record.history)} attempt(s), "
+        at = f"at step {outcome.step}" if outcome.step is not None else "(its ranks reported no step: no heartbeat)"
+        self._farewell = lambda g: (f"finished {at} after {len(self.record.history)} attempt(s), "
                                     f"{self.record.restarts} restart(s); goodput {g['goodput']:.1%}, "
                                     f"{g['lost_steps']} steps lost")
         return ExitCode.OK

@@ -607,3 +607,17 @@ def test_options_that_would_be_ignored_or_contradict_each_other_are_refused(tmp_
         r = cli(command, job, "--run-dir", tmp_path / "a", "--set", f"run_dir={tmp_path / 'b'}")
         assert r.exit_code == 2 and "both name the run dir; pass one of them" in r.stderr, r.output
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_script_that_never_beats_and_ends_0_is_said_finished_without_a_step(tmp_path, cli, monkeypatch):
+    """A user's script without the library's heartbeat, ending with 0: the farewell said "finished at step None"."""
+    from tests.runs import FakeHandle
+
+    monkeypatch.setattr("supervisor.commands.run.make_launcher",
+                        lambda: lambda cfg, spec, handover: FakeHandle(spec.logs_dir / "torchrun.log", rc=0))
+    job = tmp_path / "demo.yaml"
+    job.write_text(JOB)
+    r = cli("run", job, "--run-dir", tmp_path / "run")
+    assert r.exit_code == 0, r.output
+    assert "finished (its ranks reported no step: no heartbeat) after 1 attempt(s)" in r.output, r.output
+    assert "step None" not in r.output
