@@ -408,6 +408,9 @@ def _choice(choices: Sequence[str]) -> Check:
 
 def _string(pattern: re.Pattern[str], described: str) -> Check:
     def check(loc: _Loc, key: str) -> str:
+        if _is_number(loc.value):  # `name: 123` is a YAML number: the fix is the quotes
+            raise ConfigError(f"{loc.where}: {key} must be {described}; YAML reads the value written there as the "
+                              f"number {loc.value!r}: put it in quotes.")
         if not isinstance(loc.value, str) or not pattern.fullmatch(loc.value):
             raise _fail(loc, key, described)
         return loc.value

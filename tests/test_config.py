@@ -194,6 +194,8 @@ BAD = {
     "folder name over 255 bytes": (f"name: x\nentrypoint: {{module: m}}\nrun_dir: runs/{'a' * 256}\n", None, 3,
                                    ["run_dir must be a path whose every folder and file name is at most 255 bytes"]),
     "dots as a name": ("name: ..\nentrypoint: {module: m}\n", None, 1, ["name must be", "not only dots"]),
+    "a number as a name": ("name: 123\nentrypoint: {module: m}\n", None, 1,
+                           ["name must be", "reads the value written there as the number 123: put it in quotes"]),
     "a list in env": ("name: x\nentrypoint: {module: m}\nenv: {A: [1]}\n", None, 3,
                       ["env.A must be a string or number, got [1]."]),
     "--set under a value": (GOOD, "checkpoint.keep.x=5", None, ["checkpoint.keep takes a value, not keys"]),
