@@ -7,8 +7,11 @@ acts on itself), and only a root recorded outside it is used as recorded, and na
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from supervisor import layout, store
 from supervisor.errors import NotYetError, UsageError
@@ -60,6 +63,24 @@ def nothing_here(path: Path | str) -> UsageError:
                        "pass a run dir, a job file or a checkpoint root.")
 
 
+def once_there(read: Callable[[], T], poll_s: float) -> T:
+    """`read()`, waiting out what is not there yet (a run dir still to be made, no state file yet), for --watch and
+    --follow started beside a `resilient run` that has not written its run dir yet; said once on stderr. Every
+    other error (a bad job file, a damaged record) is said at once."""
+    said = False
+    while True:
+        try:
+            return read()
+        except NotYetError as e:
+            if not said:
+                from supervisor import render
+
+                render.err.print(f"{str(e).rstrip('.')}; waiting for it (Ctrl-C to leave)", highlight=False,
+                                 soft_wrap=True, markup=False)
+                said = True
+        time.sleep(poll_s)
+
+
 def _run_dir_of_root(root: Path) -> Path | None:
     parent = root.parent
     try:
@@ -82,6 +103,7 @@ def _in_checkpoint(path: Path) -> bool:
     return bool(store.STEP_RE.match(name) or store.PARTIAL_RE.match(name) or store.QUARANTINE_RE.match(name))
 
 
+T = TypeVar("T")
 _said: set[Path] = set()  # run dirs whose unreadable job.json this process has told of
 
 

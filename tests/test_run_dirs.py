@@ -621,3 +621,21 @@ def test_a_script_that_never_beats_and_ends_0_is_said_finished_without_a_step(tm
     assert r.exit_code == 0, r.output
     assert "finished (its ranks reported no step: no heartbeat) after 1 attempt(s)" in r.output, r.output
     assert "step None" not in r.output
+
+
+@pytest.mark.parametrize("command", [("logs", "--follow"), ("status", "--watch")])
+def test_follow_and_watch_wait_for_a_run_dir_still_to_be_made(finished_run, tmp_path, command):
+    """Started beside a `resilient run` that has not made its run dir yet, `logs --follow` and `status --watch`
+    exited 2 at once ("no such file or folder"); they wait for it, saying so once, and go on as usual."""
+    done = finished_run()
+    later = tmp_path / "later"
+    with started([*resilient(command[0], later, command[1]), *(["--json"] if command[0] == "status" else [])],
+                 tmp_path, log=tmp_path / "cmd.log") as proc:
+        wait_for(lambda: "waiting for it (Ctrl-C to leave)" in proc.output(), 30, "the command to say it waits")
+        assert proc.poll() is None
+        os.rename(done, later)  # the run dir appears whole, as a finished run's
+        assert proc.wait(30) == 0, proc.output()
+        out = proc.output()
+    assert out.count("waiting for it") == 1, out
+    shown = "attempt 1 hello from rank 1" if command[0] == "logs" else '"state": "succeeded"'
+    assert shown in out, out

@@ -210,8 +210,11 @@ def main(target: str | None, rank: int | None, attempt: int | None, follow: bool
 
 
 def _logs(target: str | None, rank: int | None, attempt: int | None, follow: bool, poll_s: float) -> int:
-    t = targets.resolve(target, reads_only=True)
-    files = targets.state_files(t)
+    def there() -> tuple[targets.Target, list[Path]]:
+        t = targets.resolve(target, reads_only=True)
+        return t, targets.state_files(t)
+
+    t, files = targets.once_there(there, poll_s) if follow else there()
     run_dir = t.run_dir
     assert run_dir is not None
     nodes = []

@@ -397,7 +397,10 @@ def _plot_path(plot: str) -> Path:
 def main(target: str | None, as_json: bool, watch: bool, *, plot: str | None = None,
          interval_s: float = 1.0, wait_ranks_s: float | None = None) -> int:
     plot_path = _plot_path(plot) if plot is not None else None
-    result = collect(target) if wait_ranks_s is None else wait_for_ranks(target, wait_ranks_s)
+    if wait_ranks_s is not None:
+        result = wait_for_ranks(target, wait_ranks_s)
+    else:
+        result = targets.once_there(lambda: collect(target), interval_s) if watch else collect(target)
     if plot_path is not None:
         try:
             out = timeline.plot(result.primary.record, result.primary.node_dir, plot_path)
