@@ -3,9 +3,8 @@
 Rules: keep the N newest valid checkpoints and never the newest valid one; remove older valid ones and
 invalid folders (committed ones only while a valid checkpoint remains), never a quarantined one (evidence the
 supervisor set aside) nor one that could not be read (a permission or an I/O error says nothing about its
-bytes); remove a partial save only when
-no live writer can own it (its writer lock is free, and either no supervisor holds the run dir or the
-partial is older than the newest valid checkpoint).
+bytes); remove a partial save only when no live writer can own it (its writer lock is free, and either no
+supervisor holds the run dir or the partial is older than the newest valid checkpoint).
 """
 
 from __future__ import annotations
