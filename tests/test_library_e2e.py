@@ -268,9 +268,10 @@ sd["seen"] = torch.tensor(sorted(int(f[6:11]) for f in seen.files))
 code = session.finish(step, state)
 torch.save(sd, f"{out}.rank{session.rank}.pt")
 # Under plain torchrun, 3 of 66 runs of this script died of SIGABRT ("terminate called without an active
-# exception") in the interpreter's teardown, after finish() had returned and its checkpoint was committed (not
-# root-caused, likely gloo's threads at exit; one optimizer: 0 of 48). What is tested here is the resume: leave without
-# that teardown (the supervisor judges such a rank by its last heartbeat's exit code: test_supervisor_unit).
+# exception") in the interpreter's teardown, after finish() had returned and its checkpoint was committed (the cause,
+# a torch bug at interpreter exit, and what finish() now does against it: README, the library's section). What is
+# tested here is the resume: leave without that teardown (the supervisor judges such a rank by its last heartbeat's
+# exit code: test_supervisor_unit).
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(code)

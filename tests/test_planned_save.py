@@ -56,9 +56,9 @@ for step in (2, 5):
         assert torch.equal(got["extra"], torch.full((3,), 7.0))
 Path(root).with_name(f"planned_{rank}.json").write_text(json.dumps(planned))
 dist.destroy_process_group()
-# What is tested is above. The interpreter's teardown under plain torchrun can abort a gloo rank ("terminate called
-# without an active exception", SIGABRT; README, the library's section): this script hit it once in a full suite on
-# 2026-11-27, after its plans were written. Leave without that teardown.
+# What is tested is above. The interpreter's teardown can abort a rank that has used gloo ("terminate called without
+# an active exception", SIGABRT; the cause: README, the library's section): this script hit it once in a full suite
+# on 2026-11-27, after its plans were written, and 2 of 64 times in a loop. Leave without that teardown.
 sys.stdout.flush()
 sys.stderr.flush()
 import os

@@ -7,6 +7,8 @@ import datetime as dt
 import logging
 import os
 import signal
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -88,3 +90,41 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         return
     if os.getppid() == 1:  # the parent died before prctl took effect
         os.kill(os.getpid(), sig)
+
+
+SETTLE_LIMIT_S = 0.5
+
+
+def let_collective_threads_settle(limit_s: float = SETTLE_LIMIT_S, poll_s: float = 0.01) -> None:
+    """Leave the GIL free until this process's other threads have gone idle (at most `limit_s`), so that none is
+    left dropping a collective's tensors when the interpreter finalizes. Call it after the last collective.
+
+    A gloo worker thread drops its reference to a finished collective's tensors after the collective has returned
+    (`ProcessGroupGloo::runLoop`); where Python had dropped them first, that decref takes the GIL. Once the
+    interpreter is finalizing, torch still takes it (its guard is `Py_IsInitialized`, true until the end:
+    pytorch/pytorch#190489), Python ends the thread with `pthread_exit`, whose unwind through a noexcept destructor
+    calls std::terminate: SIGABRT, "terminate called without an active exception". A core dump of such a rank
+    showed exactly this, in `~AsyncAllgatherWork` after DCP's last all_gather_object (2 of 64 runs of a script
+    ending in `destroy_process_group()`, two such loops beside each other on 2 cores).
+    """
+    tasks = "/proc/self/task"
+    me = threading.get_native_id()
+    deadline = time.monotonic() + limit_s
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(poll_s)  # the GIL is free meanwhile: a thread waiting for it gets it
+        try:
+            busy = [t for t in os.listdir(tasks) if int(t) != me and _runnable(f"{tasks}/{t}/stat")]
+        except OSError:  # no /proc: the sleeps are all there is
+            busy = []
+        quiet = 0 if busy else quiet + 1
+
+
+def _runnable(stat_path: str) -> bool:
+    """The thread is running or waiting for a CPU (state R in /proc/.../stat; gone counts as idle)."""
+    try:
+        with open(stat_path, "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] == b"R"

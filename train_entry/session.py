@@ -576,6 +576,7 @@ class Session:
         self.beater.stop(phase="exited", exit_code=code, saving_step=None,
                          exit_reason="preempted" if code else "finished")
         dist.destroy_process_group()
+        dist_util.let_collective_threads_settle()  # else the interpreter's teardown can abort this rank (SIGABRT)
         if self.ctx.is_main:
             log.info("%s at step %d", "preempted" if code else "finished", step)
         self._finished = code
@@ -598,6 +599,7 @@ class Session:
                   EXIT_CHECKPOINT_LOAD, exc_info=error)
         self.beater.stop(phase="exited", exit_code=EXIT_CHECKPOINT_LOAD, saving_step=None,
                          exit_reason=f"checkpoint_load: step {step}: {why}"[:500])
+        dist_util.let_collective_threads_settle()  # the exit code, not a teardown's SIGABRT
         sys.exit(EXIT_CHECKPOINT_LOAD)
 
     def _exit_nan(self, step: int, loss: float) -> None:
@@ -608,13 +610,15 @@ class Session:
             self.ckpt.wait()  # a save of an earlier, finite step may still be in flight: let it land
         finally:
             self.beater.stop(phase="exited", exit_code=EXIT_NAN, exit_reason=f"nan at step {step}", saving_step=None)
+        dist_util.let_collective_threads_settle()  # the exit code, not a teardown's SIGABRT
         sys.exit(EXIT_NAN)
 
 
 def leave_now(code: int) -> NoReturn:
     """Exit with `code` without the interpreter's teardown, where a process that has used gloo is at times aborted
-    (SIGABRT, "terminate called without an active exception", seen in the misuse tests under plain torchrun):
-    the signal death torchrun then reports would be retried as a fault, where `code` says retrying cannot help.
+    (SIGABRT, "terminate called without an active exception", seen in the misuse tests under plain torchrun; why:
+    dist.let_collective_threads_settle): the signal death torchrun then reports would be retried as a fault, where
+    `code` says retrying cannot help.
     Logs and stdio are flushed first; atexit handlers do not run (nothing was trained)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
