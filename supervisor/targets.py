@@ -140,14 +140,13 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False, reads_only: b
             if not reads_only:
                 raise
             root = _root_from_state(path)
-            from supervisor import render
+            if path not in _said:  # once, not at every refresh of --watch or poll of --wait-ranks
+                _said.add(path)
+                from supervisor import render
 
-            if path in _said:  # once, not at every refresh of --watch or poll of --wait-ranks
-                return Target(given, path, root)
-            _said.add(path)
-            why = f" ({e.why})" if isinstance(e, layout.JobRecordError) else f": {e}"
-            render.err.print(f"{path / layout.JOB_FILE} cannot be read{why}; the run is read with the checkpoint "
-                             f"root its state file records, {root}", highlight=False, soft_wrap=True, markup=False)
+                why = f" ({e.why})" if isinstance(e, layout.JobRecordError) else f": {e}"
+                render.err.print(f"{path / layout.JOB_FILE} cannot be read{why}; the run is read with the checkpoint "
+                                 f"root its state file records, {root}", highlight=False, soft_wrap=True, markup=False)
             return Target(given, path, root)
     run_dir = _run_dir_of_root(path)
     if run_dir is None and not _holds_checkpoints(path):
