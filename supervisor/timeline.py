@@ -37,8 +37,9 @@ def text_timeline(record: RunRecord, width: int = 60) -> list[str]:
         first = h.first_step_at or end
         for i in range(col(h.started_at), col(first) + 1):
             row[i] = "s"
-        for i in range(col(first), col(end) + 1):
-            row[i] = "█"
+        if h.first_step_at is not None:  # an attempt that ended in its startup trained not at all
+            for i in range(col(first), col(end) + 1):
+                row[i] = "█"
         if h.reason not in (None, "finished", "stopped"):
             row[col(end)] = "x"
         what = h.reason or "running"
