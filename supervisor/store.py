@@ -635,6 +635,23 @@ def checkpoint_dirs(root: str | os.PathLike, *, quarantined: bool = False) -> li
     return [p for *_, p in sorted(found)]
 
 
+def passed_over(root: str | os.PathLike) -> list[tuple[str, str]]:
+    """Entries under `root` named like checkpoints that no scan takes, each with why: a name that is not
+    `step_<9 digits>` (a folder copied in by hand as `step_5`), a link (never followed), a file."""
+    found = []
+    for e in os.scandir(root):
+        if not e.name.startswith("step_"):
+            continue
+        named = STEP_RE.match(e.name) or PARTIAL_RE.match(e.name) or QUARANTINE_RE.match(e.name)
+        if e.is_symlink():
+            found.append((e.name, "a link: links are never followed"))
+        elif not named:
+            found.append((e.name, "not a checkpoint name: step_ and 9 digits, e.g. step_000000050"))
+        elif not e.is_dir(follow_symlinks=False):
+            found.append((e.name, "not a folder"))
+    return sorted(found)
+
+
 def aside_path(folder: Path) -> Path:
     """Where `folder` is renamed before it is deleted: beside it, under a name no scan takes for a checkpoint."""
     return folder.parent / f"{TRASH_PREFIX}{folder.name}.{time.time_ns()}"

@@ -64,6 +64,22 @@ def test_inspect_table_names_each_reason(zoo, cli):
         assert words in r.stdout, words
 
 
+def test_inspect_names_what_it_passes_over_that_looks_like_a_checkpoint(tmp_path, cli):
+    root = tmp_path / "ckpt"
+    real = write_checkpoint(root, 10)
+    shutil.copytree(real, root / "step_5")                       # copied in by hand under a short name
+    (root / "step_000000020").symlink_to(real)                   # a link is never followed
+    (root / "step_000000030").write_text("x")                    # a file
+    r = cli("inspect-checkpoint", root)
+    assert r.exit_code == 0 and "latest valid: step 10" in r.stdout, r.output
+    for name, why in (("step_5", "not a checkpoint name"), ("step_000000020", "a link"),
+                      ("step_000000030", "not a folder")):
+        assert f"passed over: {root / name} ({why}" in r.stdout, r.stdout
+    doc = json.loads(cli("inspect-checkpoint", root, "--json").stdout)
+    assert [c["step"] for c in doc["checkpoints"]] == [10]
+    assert [p["name"] for p in doc["passed_over"]] == ["step_000000020", "step_000000030", "step_5"]
+
+
 def test_gc_keep_1_keeps_newest_valid_even_with_newer_invalid(zoo, cli):
     dry = json.loads(cli("gc", zoo, "--keep", "1", "--dry-run", "--json").stdout)
     assert dry["dry_run"] and dry["kept"] == [40]

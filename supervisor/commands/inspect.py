@@ -24,6 +24,7 @@ class InspectResult:
     step: int | None = None  # --step: only that step's folders are listed
     note: str | None = None  # names a checkpoint root outside the run dir
     local: list[tuple[str, Path, list[CheckpointInfo]]] | None = None  # each node-local tier: node, root, folders
+    passed_over: list[tuple[str, str]] | None = None  # names like checkpoints under the root that no scan takes
 
     @property
     def latest_valid(self) -> CheckpointInfo | None:
@@ -55,6 +56,7 @@ class InspectResult:
             "verified": self.verified,
             "selected_step": self.selected.step if self.selected else None,
             "checkpoints": [{**c.to_dict(), "tier": "durable"} for c in self.listed],
+            "passed_over": [{"name": name, "why": why} for name, why in self.passed_over or []],
         } | ({"local_tiers": [
             {"node": node, "root": str(root),
              "latest_valid_step": next((c.step for c in reversed(infos) if c.valid), None),
@@ -65,6 +67,11 @@ class InspectResult:
     def render(self) -> None:
         if self.note:
             render.out.print(self.note, markup=False, soft_wrap=True)
+        self._render_checkpoints()
+        for name, why in self.passed_over or []:
+            render.out.print(f"passed over: {self.root / name} ({why})", markup=False, soft_wrap=True)
+
+    def _render_checkpoints(self) -> None:
         if not self.checkpoints and not any(infos for _, _, infos in self.local or []):
             render.out.print(f"{self.root}: no checkpoints yet.", markup=False)
             return
@@ -185,7 +192,8 @@ def collect(target: str | None, step: int | None, verify: bool) -> InspectResult
     local = [(node, lroot, [store.inspect(d, deep=verify and (step is None or int(d.name[5:14]) == step))
                             for d in store.checkpoint_dirs(lroot, quarantined=True)])
              for node, lroot in targets.local_tiers(t)]
-    return InspectResult(t.checkpoint_root, infos, selected, verify, step, t.root_note(), local)
+    return InspectResult(t.checkpoint_root, infos, selected, verify, step, t.root_note(), local,
+                         store.passed_over(root) if root is not None else [])
 
 
 def main(target: str | None, step: int | None, verify: bool, as_json: bool) -> int:
