@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from supervisor.errors import ConfigError
-from supervisor.layout import inside
+from supervisor.layout import CHECKPOINTS_DIR, inside
 
 NAME_RE = re.compile(r"^(?!\.+$)[A-Za-z0-9._-]{1,100}$")  # a file name (not . or ..) and a rendezvous id
 MAX_DURATION_S = 1e9  # ~32 years, "never" in practice; beyond it what takes a timeout overflows (Event.wait, C++ ms)
@@ -787,7 +787,7 @@ def build_job(root: _Loc, path: Path) -> JobConfig:
 
     run_dir = resolve(values.get("run_dir") or f"runs/{name}")
     ck = values.get("checkpoint", {})
-    ck_dir = resolve(ck["dir"]) if ck.get("dir") else run_dir / "checkpoints"
+    ck_dir = resolve(ck["dir"]) if ck.get("dir") else run_dir / CHECKPOINTS_DIR
     local_dir = resolve(ck["local_dir"]) if ck.get("local_dir") else None
     ck_fields = {k: v for k, v in ck.items() if k not in ("dir", "async", "local_dir")}
     checkpoint = CheckpointConfig(dir=ck_dir, async_save=ck.get("async", True), local_dir=local_dir, **ck_fields)

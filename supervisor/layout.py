@@ -32,6 +32,17 @@ from supervisor.fsutil import read_json
 JOB_FILE = "job.json"
 STATE_FILE = "state.json"
 NODES_DIR = "nodes"
+CHECKPOINTS_DIR = "checkpoints"  # checkpoint.dir's default
+LOGS_DIR = "logs"
+HEARTBEATS_DIR = "heartbeats"
+STEPS_DIR = "steps"
+RDZV_DIR = "rdzv"
+CONTROL_FILE = "control.json"
+LOCK_FILE = "supervisor.lock"  # lock.RunLock's, in the run dir and in each node's folder
+# What a run dir holds (before its job.json is written too: a run that stopped at a refusal, a first node's folder),
+# and lost+found, which a run dir that is a filesystem's root has.
+RUN_DIR_NAMES = frozenset({JOB_FILE, STATE_FILE, NODES_DIR, LOCK_FILE, CHECKPOINTS_DIR, LOGS_DIR, HEARTBEATS_DIR,
+                           STEPS_DIR, RDZV_DIR, CONTROL_FILE, "lost+found"})
 
 
 @dataclass(frozen=True)
@@ -58,13 +69,13 @@ class RunLayout:
         return self.node_dir / STATE_FILE
 
     def logs_dir(self, attempt: int) -> Path:
-        return self.node_dir / "logs" / f"attempt_{attempt}"
+        return self.node_dir / LOGS_DIR / f"attempt_{attempt}"
 
     def heartbeat_dir(self, attempt: int) -> Path:
-        return self.node_dir / "heartbeats" / f"attempt_{attempt}"
+        return self.node_dir / HEARTBEATS_DIR / f"attempt_{attempt}"
 
     def step_log(self, attempt: int) -> Path:
-        return self.node_dir / "steps" / f"attempt_{attempt}.jsonl"
+        return self.node_dir / STEPS_DIR / f"attempt_{attempt}.jsonl"
 
 
 def state_files(run_dir: Path) -> list[Path]:
@@ -132,7 +143,7 @@ def recorded_checkpoint_root(run_dir: Path) -> Path:
         job = read_json(path)["job"]
         return resolved(job["checkpoint"]["dir"], run_dir, job.get("run_dir"), what=f"{path} (checkpoint.dir)")
     except FileNotFoundError:
-        return run_dir / "checkpoints"
+        return run_dir / CHECKPOINTS_DIR
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         why = e.strerror if isinstance(e, OSError) else f"not a job record: {e.__class__.__name__} {e}"
         raise JobRecordError(f"{path} cannot be read ({why}); it records where this run's checkpoints are: pass "

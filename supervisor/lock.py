@@ -16,8 +16,7 @@ from pathlib import Path
 
 from supervisor.errors import ConfigError, RunLockedError, UsageError
 from supervisor.fsutil import open_regular
-
-LOCK_FILE = "supervisor.lock"
+from supervisor.layout import LOCK_FILE
 
 
 class RunLock:

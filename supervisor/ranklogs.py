@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from supervisor.layout import NODES_DIR, inside
+from supervisor.layout import LOGS_DIR, NODES_DIR, inside
 from supervisor.protocol import Heartbeat
 
 LINK_RE = re.compile(r"^rank_(\d+)$")
@@ -93,7 +93,7 @@ def attempts(node_dir: Path) -> list[int]:
     """The attempts that have a log folder under `node_dir`, oldest first."""
     out = []
     with contextlib.suppress(OSError):
-        for entry in os.scandir(node_dir / "logs"):
+        for entry in os.scandir(node_dir / LOGS_DIR):
             m = re.match(r"^attempt_(\d+)$", entry.name)
             if m and entry.is_dir():
                 out.append(int(m.group(1)))

@@ -23,13 +23,14 @@ from pathlib import Path
 import psutil
 
 from supervisor import prewarm
+from supervisor.layout import RDZV_DIR
 
 GEN_RE = re.compile(r"^gen_(\d+)$")
 
 
 class Generations:
     def __init__(self, run_dir: Path):
-        self.folder = run_dir / "rdzv"
+        self.folder = run_dir / RDZV_DIR
 
     def _existing(self) -> list[int]:
         try:

@@ -30,7 +30,7 @@ from supervisor.errors import ConfigError, ExitCode
 from supervisor.fsutil import atomic_write_json
 from supervisor.goodput import Accounting
 from supervisor.interval import IntervalTuner
-from supervisor.layout import RunLayout, recorded, state_files
+from supervisor.layout import CONTROL_FILE, RunLayout, recorded, state_files
 from supervisor.policy import RestartPolicy
 from supervisor.protocol import (
     CommitRecord,
@@ -74,7 +74,7 @@ class Supervisor:
         if self.tuner is not None:  # what the run's earlier supervisors measured
             self.tuner.restore(self.record.accounting.get("tuner"))
         self._measured_interval = False  # the interval in force came from measurements (not the cold start)
-        self.control_file = layout.node_dir / "control.json"
+        self.control_file = layout.node_dir / CONTROL_FILE
         # Several nodes: each formation of the group gets its own rendezvous run id (supervisor/rdzv.py).
         self.generations = Generations(cfg.run_dir) if cfg.rdzv.endpoint is not None else None
         self._generation = self.generations.current() if self.generations else None

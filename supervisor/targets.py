@@ -165,7 +165,7 @@ def _root_from_state(run_dir: Path) -> Path:
             return layout.resolved(recorded, run_dir, what=f"{path} (checkpoint_dir)")
         except (state.StateFileError, UsageError, TypeError):
             continue
-    return run_dir / "checkpoints"
+    return run_dir / layout.CHECKPOINTS_DIR
 
 
 def local_tiers(t: Target) -> list[tuple[str, Path]]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import UsageError
+from supervisor.layout import RunLayout
 from supervisor.protocol import CommitRecord, StepRecord, read_step_log
 from supervisor.state import RunRecord
 
@@ -50,7 +51,7 @@ def text_timeline(record: RunRecord, width: int = 60) -> list[str]:
 
 def _attempt_series(node_dir: Path, attempt: int) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
     steps, commits = [], []
-    for r in read_step_log(node_dir / "steps" / f"attempt_{attempt}.jsonl"):
+    for r in read_step_log(RunLayout(node_dir).step_log(attempt)):
         if isinstance(r, StepRecord):
             steps.append((r.t, r.step))
         elif isinstance(r, CommitRecord):

@@ -98,7 +98,7 @@ class NodeLogs:
 
     @property
     def logs_dir(self) -> Path:
-        return self.node_dir / "logs" / f"attempt_{self.attempt}"
+        return layout.RunLayout(self.node_dir).logs_dir(self.attempt)
 
     def discover(self, rank: int | None) -> None:
         _listable(self.logs_dir)

@@ -20,8 +20,8 @@ from supervisor.config import NAME_RE, JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, UsageError
 from supervisor.fsutil import read_json, write_problem
-from supervisor.layout import JOB_FILE, NODES_DIR, STATE_FILE, RunLayout, inside, looks_like_run_dir
-from supervisor.lock import LOCK_FILE, RootClaim, RunLock
+from supervisor.layout import RUN_DIR_NAMES, STATE_FILE, RunLayout, inside, looks_like_run_dir
+from supervisor.lock import RootClaim, RunLock
 
 OWN_PACKAGES = ("supervisor", "train_entry")
 
@@ -97,10 +97,8 @@ def check_same_job(cfg: JobConfig, layout: RunLayout) -> None:
                           f"if it is the same job renamed, run it with --set name={recorded}.")
 
 
-# What a run dir holds before its job.json is written (a run that stopped at a refusal, a first node's folder), and
-# what a user keeps beside a run: anything else means the folder is not a run dir (`/`, a home, a project).
-RUN_DIR_NAMES = frozenset({JOB_FILE, STATE_FILE, NODES_DIR, LOCK_FILE, "checkpoints", "logs", "heartbeats", "steps",
-                           "rdzv", "control.json", "lost+found"})
+# What a user keeps beside a run (the job file, notes), besides layout.RUN_DIR_NAMES: anything else means the folder
+# is not a run dir (`/`, a home, a project).
 JOB_SUFFIXES = (".yaml", ".yml", ".json", ".md", ".txt", ".log")
 
 
