@@ -169,6 +169,7 @@ class Replicator:
         self._pause = float(os.environ.get(PAUSE_ENV) or 0.0)
         self._failures = 0  # copies failed in this process, ever
         self._buffer: memoryview | None = None  # page-aligned, for the durable writes (O_DIRECT)
+        self._inspected = store.InspectCache()  # both tiers are scanned at every commit
 
     # ---- called by the supervisor ----------------------------------------------------------------------
 
@@ -196,7 +197,7 @@ class Replicator:
         not copied (ahead of the new training's first steps, they held its durable copies back)."""
         stale = []
         with contextlib.suppress(OSError):
-            infos = store.scan(self.local_root) if self.local_root.is_dir() else []
+            infos = self._scan(self.local_root) if self.local_root.is_dir() else []
             stale = [i.step for i in infos if not i.partial and i.step > (-1 if resumed is None else resumed)
                      and i.created_at is not None and i.created_at < launched_at]
         if stale:
@@ -257,7 +258,7 @@ class Replicator:
         otherwise a node that finished first keeps the steps newer than the durable tier's newest it saw, and
         its state file shows a lag the durable tier no longer has."""
         while time.monotonic() < deadline:
-            local = [i.step for i in store.scan(self.local_root) if i.valid] if self.local_root.is_dir() else []
+            local = [i.step for i in self._scan(self.local_root) if i.valid] if self.local_root.is_dir() else []
             if not local or max(local) <= max(self._durable_valid(), default=-1):
                 return
             time.sleep(0.2)
@@ -334,7 +335,7 @@ class Replicator:
             return {p.stem for p in (self.durable_root / store.partial_dirname(step) / PARTS).glob("*.json")}
 
         # Not back to a step older than one whose part of ours waits for the other nodes: that one supersedes it.
-        waiting = [i.step for i in store.scan(self.durable_root) if i.partial and self.node in parts(i.step)] \
+        waiting = [i.step for i in self._scan(self.durable_root) if i.partial and self.node in parts(i.step)] \
             if self.durable_root.is_dir() else []
         mine = max(waiting, default=-1)
         begun = [s for s in todo if s >= mine and parts(s) - {self.node}]
@@ -578,17 +579,20 @@ class Replicator:
         with root_lock(self.durable_root, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB)) as held:
             if not held:
                 return
-            plan = retention.plan(self.durable_root, store.scan(self.durable_root), self.keep, owner_alive=True)
+            plan = retention.plan(self.durable_root, self._scan(self.durable_root), self.keep, owner_alive=True)
             plan = retention.set_aside(plan)
         if plan.remove:
             retention.apply(plan)
 
     # ---- the tiers -----------------------------------------------------------------------------------------
 
+    def _scan(self, root: Path) -> list[store.CheckpointInfo]:
+        return store.scan(root, cache=self._inspected)
+
     def _durable_valid(self) -> dict[int, store.CheckpointInfo]:
         if not self.durable_root.is_dir():
             return {}
-        return {i.step: i for i in store.scan(self.durable_root) if i.valid}
+        return {i.step: i for i in self._scan(self.durable_root) if i.valid}
 
     def _unreplicated(self) -> list[int]:
         """Local checkpoints newer than the newest durable one: the durable tier lacks them (this node's part may
@@ -596,7 +600,7 @@ class Replicator:
         if not self.local_root.is_dir():
             return []
         newest = max(self._durable_valid(), default=-1)
-        return [i.step for i in store.scan(self.local_root)
+        return [i.step for i in self._scan(self.local_root)
                 if i.valid and i.step > newest and i.step not in self._unusable]
 
     def _local_retention(self, *, spares: bool = True) -> None:
@@ -606,7 +610,7 @@ class Replicator:
         if not self.local_root.is_dir():
             return
         outage = self.state.failing_since is not None and time.time() - self.state.failing_since > self.outage_s
-        infos = store.scan(self.local_root)
+        infos = self._scan(self.local_root)
         plan, held = split_unreplicated(retention.plan(self.local_root, infos, self.keep_local, owner_alive=True),
                                         infos, set(self._durable_valid()))
         if outage:
@@ -621,7 +625,7 @@ class Replicator:
             retention.apply(plan, spare_bytes=data if spares else 0)
 
     def _refresh(self) -> None:
-        local = [i for i in store.scan(self.local_root) if i.valid] if self.local_root.is_dir() else []
+        local = [i for i in self._scan(self.local_root) if i.valid] if self.local_root.is_dir() else []
         durable = self._durable_valid()
         with self._lock:
             if local:

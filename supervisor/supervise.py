@@ -65,6 +65,7 @@ class Supervisor:
         self._launched_at: float | None = None  # when the current attempt began (self.clock())
         self._blocking: dict[int, float] = {}
         self._announced: set[tuple[int, int]] = set()  # (attempt, step): a rollback's attempt commits a step again
+        self._inspected = store.InspectCache()  # retention scans the root at every commit
         self.record = self._load_record()
         self.accounting = Accounting.from_dict(self.record.accounting.get("ledger"), last_seen=self._prev_updated_at)
         self._restarts_before = self.record.restarts  # the budget is per invocation; the count is not
@@ -205,8 +206,8 @@ class Supervisor:
         """Apply `keep` to the durable root's checkpoints `among` (all by default): what was really removed and
         what resisted (a read-only mount), or None when nothing was to go."""
         root = self.cfg.checkpoint.dir
-        plan = retention.plan(root, [i for i in store.scan(root) if among(i)], self.cfg.checkpoint.keep,
-                              owner_alive=True)
+        infos = [i for i in store.scan(root, cache=self._inspected) if among(i)]
+        plan = retention.plan(root, infos, self.cfg.checkpoint.keep, owner_alive=True)
         return retention.apply(plan) if plan.remove else None
 
     def _quarantined(self, entry: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import threading
 
 import pytest
@@ -143,6 +144,40 @@ def test_a_changed_byte_inside_the_marker_that_keeps_it_valid_json_is_found(tmp_
     marker.write_text(text.replace('"world_size": 2', '"world_size": 3'))  # same length, still JSON
     info = store.inspect(final)
     assert info.status is Status.CORRUPT and "own checksum" in info.reason
+
+
+def test_a_cached_scan_checksums_only_what_changed_and_sees_every_change(tmp_path, monkeypatch):
+    root = tmp_path / "ckpt"
+    for step in (10, 20, 30):
+        write_checkpoint(root, step)
+    read = []
+    real = store.checksum_file
+    monkeypatch.setattr(store, "checksum_file", lambda path, *a: read.append(path.parent.name) or real(path, *a))
+    cache = store.InspectCache()
+    assert [i.valid for i in store.scan(root, cache=cache)] == [True, True, True] and len(read) == 9
+    read.clear()
+    assert [i.valid for i in store.scan(root, cache=cache)] == [True, True, True] and read == []  # nothing changed
+    flip_byte(root / store.step_dirname(20) / "__1_0.distcp", 5)   # a write: its times change, so it is read again
+    infos = store.scan(root, cache=cache)
+    assert [i.status for i in infos] == [Status.VALID, Status.CORRUPT, Status.VALID], infos
+    assert set(read) == {store.step_dirname(20)}
+    read.clear()
+    shutil.copy2(root / store.step_dirname(30) / ".metadata", tmp_path / "m")
+    (root / store.step_dirname(30) / ".metadata").write_bytes(b"metadata-31")  # same size, then its old times back
+    st = os.stat(tmp_path / "m")
+    os.utime(root / store.step_dirname(30) / ".metadata", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert store.scan(root, cache=cache)[2].status is Status.CORRUPT  # the change time gives it away
+    shutil.rmtree(root / store.step_dirname(10))
+    write_checkpoint(root, 10)                                     # the same name, written anew
+    read.clear()
+    assert store.scan(root, cache=cache)[0].valid and set(read) == {store.step_dirname(10), store.step_dirname(20),
+                                                                     store.step_dirname(30)}
+    other = tmp_path / "other"                                     # one cache, two roots (the replicator's tiers)
+    write_checkpoint(other, 40)
+    assert store.scan(other, cache=cache)[0].valid
+    read.clear()
+    store.scan(root, cache=cache), store.scan(other, cache=cache)
+    assert read == [store.step_dirname(20)] * 3 + [store.step_dirname(30)], read  # the two corrupt ones only
 
 
 def test_quarantine_renames_aside_with_the_reason_and_nothing_else_sees_it(tmp_path):
