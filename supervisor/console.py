@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 from rich.console import Console
+from rich.markup import escape
 
 
 class _Console(Console):
@@ -25,14 +26,14 @@ class EventConsole:
 
     def __init__(self, name: str, console: Console | None = None):
         self.name = name
-        self.console = console or _Console(stderr=True, highlight=False, soft_wrap=True)
+        self.console = console or _Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
         # One line's parts together: the replicator's thread speaks too. Re-entrant: Ctrl-Z's handler speaks from
         # the main thread, maybe in the middle of a line; a plain Lock would block it there for good.
         self._lock = threading.RLock()
 
     def event(self, text: str, style: str | None = None) -> None:
         stamp = time.strftime("%H:%M:%S")
-        self._print((f"[dim]{stamp}[/] [bold]{self.name}[/] ", None, True, ""), (text, style, False, "\n"))
+        self._print((f"[dim]{stamp}[/] [bold]{escape(self.name)}[/] ", None, True, ""), (text, style, False, "\n"))
 
     @contextlib.contextmanager
     def library_warnings(self) -> Iterator[None]:

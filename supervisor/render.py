@@ -9,12 +9,16 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 PIPED_WIDTH = 10_000  # piped or redirected output is never wrapped mid-phrase; a terminal wraps at its width
 
 
 def _console(stderr: bool = False) -> Console:
-    console = Console(stderr=stderr, highlight=False)
+    # Plain text unless a part asks for style (`styled`, rich Text): a path, a node or a reason printed here is the
+    # user's, and `[red]` in a folder's name or `:b:` in "local:b: ..." must come out as written, never as a style
+    # or an emoji.
+    console = Console(stderr=stderr, highlight=False, markup=False, emoji=False)
     if not console.is_terminal and not os.environ.get("COLUMNS"):
         console.width = PIPED_WIDTH  # rich would assume 80 columns
     return console
@@ -76,6 +80,6 @@ def clock(ts: float | None) -> str:
     return d.strftime("%H:%M:%S") if d.date() == dt.date.today() else d.strftime("%Y-%m-%d %H:%M")
 
 
-def styled(word: str) -> str:
-    style = STATUS_STYLE.get(word)
-    return f"[{style}]{word}[/]" if style else word
+def styled(word: str) -> Text:
+    """A status word in its colour."""
+    return Text(word, style=STATUS_STYLE.get(word, ""))

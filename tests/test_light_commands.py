@@ -159,6 +159,20 @@ def test_status_json_contract(tmp_path, cli):
     assert doc["ranks"][0]["alive"] is False  # no supervisor holds the run dir
 
 
+def test_paths_names_and_reasons_print_as_written_never_as_markup_or_emoji(tmp_path, cli):
+    run_dir = tmp_path / "exp[red]1 run:ok:x"
+    run_dir.mkdir()
+    _state_file(run_dir, state=state.RunState.SUCCEEDED, step=60, last_checkpoint_step=10, goodput=0.8)
+    write_checkpoint(run_dir / "checkpoints", 10)
+    flip_byte(write_checkpoint(run_dir / "checkpoints", 20) / ".metadata", 3)
+    r = cli("inspect-checkpoint", run_dir)
+    assert f"{run_dir / 'checkpoints'} — latest valid: step 10" in r.stdout, r.stdout
+    assert ".metadata checksum mismatch" in r.stdout and "🆗" not in r.stdout
+    r = cli("status", run_dir)
+    assert f"run dir   {run_dir} · supervisor pid" in r.stdout, r.stdout
+    assert "rank 1 killed by SIGKILL" in r.stdout and "🆗" not in r.stdout
+
+
 def test_status_plot_to_a_folder_or_into_a_missing_folder_is_one_sentence_and_creates_nothing(tmp_path, cli):
     _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=60, last_checkpoint_step=60, goodput=0.8)
     for plot, words in ((tmp_path, "that is a folder"), (tmp_path / "nowhere" / "t.png", "does not exist")):

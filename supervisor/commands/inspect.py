@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from supervisor import render, store, targets
 from supervisor.errors import ExitCode, ResilientError, UsageError
@@ -77,18 +78,18 @@ class InspectResult:
             return
         latest, local = self.latest_valid, self.newest_local
         if latest is not None:
-            head = f"latest valid: step {latest.step}"
+            head = Text(f"latest valid: step {latest.step}")
         elif local is not None:
-            head = f"no valid checkpoint yet; local tier: step {local}"
+            head = Text(f"no valid checkpoint yet; local tier: step {local}")
         else:
-            head = "[red]no valid checkpoint[/]"
+            head = Text("no valid checkpoint", style="red")
         if self.selected is not None:
-            head = f"step {self.selected.step}: {render.styled(self.selected.status.value)}; {head}"
+            head = Text.assemble(f"step {self.selected.step}: ", render.styled(self.selected.status.value), "; ", head)
         how = "checksums verified" if self.verified else "sizes checked; --verify reads every byte"
         if self.verified and self.selected is not None:
             how = f"step {self.selected.step}'s checksums verified, the others' sizes checked"
         # The head is its own line: a table's title wraps at the table's width, however wide the output.
-        render.out.print(f"{self.root} — {head} ({how})", soft_wrap=True)
+        render.out.print(Text.assemble(f"{self.root} — ", head, f" ({how})"), soft_wrap=True)
         for node, root, infos in self.local or []:
             newest = next((c.step for c in reversed(infos) if c.valid), None)
             render.out.print(f"local tier of node {node}: {root} — latest valid: step {newest}", markup=False,

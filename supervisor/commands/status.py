@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Group
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -163,15 +162,16 @@ class StatusResult:
         rec = p.record
         st = self.state.value
         sup = rec.supervisor
-        alive = "alive" if p.supervisor_alive else "[red]not running[/]"
+        alive = Text("alive") if p.supervisor_alive else Text("not running", style="red")
         ckpt = rec.last_checkpoint_step if rec.last_checkpoint_step is not None else "-"
-        if (gone := self.recorded_checkpoint_gone()) is not None:
-            ckpt = f"{ckpt} [yellow](not valid on disk now: {escape(gone)})[/]"
-        lines = [
-            f"[bold]{rec.name}[/] — {render.styled(st)}   attempt {rec.attempt} · {rec.restarts} restart(s), "
-            f"{rec.max_restarts} allowed per run",
-            f"run dir   {self.run_dir} · supervisor pid {sup.get('pid', '-')} on {sup.get('host', '-')} ({alive})",
-            f"progress  step {rec.step if rec.step is not None else '-'} · last valid checkpoint {ckpt}",
+        gone = self.recorded_checkpoint_gone()
+        lines: list[str | Text] = [
+            Text.assemble((rec.name, "bold"), " — ", render.styled(st), f"   attempt {rec.attempt} · "
+                          f"{rec.restarts} restart(s), {rec.max_restarts} allowed per run"),
+            Text.assemble(f"run dir   {self.run_dir} · supervisor pid {sup.get('pid', '-')} on "
+                          f"{sup.get('host', '-')} (", alive, ")"),
+            Text.assemble(f"progress  step {rec.step if rec.step is not None else '-'} · last valid checkpoint {ckpt}",
+                          (f" (not valid on disk now: {gone})" if gone is not None else "", "yellow")),
             f"goodput   {timeline.summary_line((rec.accounting or {}).get('summary') or {})}",
         ]
         if self.outside_root is not None:
@@ -180,10 +180,12 @@ class StatusResult:
         if ci:
             lines.append(f"interval  {ci.get('steps')} steps ({ci.get('mode')}: {ci.get('why', '')})")
         if len(self.nodes) > 1:
-            lines.append("nodes     " + " · ".join(
-                f"{n.record.node}: {render.styled(n.effective_state.value)}, attempt {n.record.attempt}, "
-                f"{n.record.restarts} restart(s){self._node_note(n)}" for n in self.nodes))
-        parts: list[Any] = [Text.from_markup(line) for line in lines]
+            nodes: list[str | Text] = ["nodes     "]
+            for i, n in enumerate(self.nodes):
+                nodes += [" · " if i else "", f"{n.record.node}: ", render.styled(n.effective_state.value),
+                          f", attempt {n.record.attempt}, {n.record.restarts} restart(s){self._node_note(n)}"]
+            lines.append(Text.assemble(*nodes))
+        parts: list[Any] = [Text(line) if isinstance(line, str) else line for line in lines]
         current = rec.history[-1] if rec.history else None
         if current is not None and current.resumed_tier:
             parts.append(Text(f"resumed   step {current.resumed_from_step} from the {current.resumed_tier} tier"
@@ -204,7 +206,7 @@ class StatusResult:
                                   str(r.get("step", "-")), str(r.get("phase", "-")),
                                   render.human_duration(r.get("heartbeat_age_s")) + " ago",
                                   render.human_duration(r.get("hang_limit_s")),
-                                  "yes" if r.get("alive") else "[red]no[/]",
+                                  "yes" if r.get("alive") else Text("no", style="red"),
                                   "-" if r.get("steps_per_s") is None else f"{r['steps_per_s']:.1f}",
                                   r.get("note") or "")
             parts.append(ranks)
