@@ -31,6 +31,7 @@ unless the durable tier has been failing for longer than `checkpoint.durable_out
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -120,11 +121,18 @@ def _read_part(path: Path) -> list[Any]:
 @contextlib.contextmanager
 def root_lock(root: Path, mode: int, *, create: bool = True) -> Iterator[bool]:
     """`root`'s replication lock in `mode` (fcntl.LOCK_SH / LOCK_EX, with LOCK_NB: yields False when busy).
-    Without `create`, a root that has none (no tiered run replicates into it) yields True, unlocked."""
+    Without `create`, a root that has none (no tiered run replicates into it) yields True, unlocked, and so does
+    one this process cannot write (a read-only mount, another user's root): it can delete nothing there, which
+    is all the lock guards against (gc says so itself)."""
     try:
         fd = os.open(root / ROOT_LOCK, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
     except FileNotFoundError:
         if create:
+            raise
+        yield True
+        return
+    except OSError as e:
+        if create or e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise
         yield True
         return

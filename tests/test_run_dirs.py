@@ -17,6 +17,7 @@ import pytest
 
 from supervisor import state, store
 from supervisor.lock import RunLock
+from supervisor.replicate import ROOT_LOCK
 from tests.ckpt_helpers import write_checkpoint
 from tests.proc import REPO, child_env, readonly, started, wait_for
 from tests.runs import RUN_TIMEOUT, finished_attempt, resilient, run_job, status
@@ -382,6 +383,11 @@ def test_gc_on_a_read_only_root_removes_nothing_and_says_so(readonly_mounts, tmp
     assert out.returncode == 2 and json.loads(out.stdout) == {"error": why, "exit_code": 2}
     out = run_cli(readonly(root, resilient("gc", root, "--keep", "1", "--dry-run")))  # a dry run needs no writes
     assert out.returncode == 0 and "would remove step 1" in out.stdout and steps(root) == [1, 2, 3]
+    (root / ROOT_LOCK).touch()  # a durable tier that nodes replicate into: gc takes its lock first
+    out = run_cli(readonly(root, resilient("gc", root, "--keep", "1")))
+    assert out.returncode == 2 and out.stderr == f"resilient: {why}\n" and steps(root) == [1, 2, 3], out.stderr
+    out = run_cli(readonly(root, resilient("gc", root, "--keep", "3")))  # nothing to delete: said, exit 0
+    assert out.returncode == 0 and out.stderr == "" and steps(root) == [1, 2, 3], out.stderr
 
 
 def test_gc_lists_what_it_could_not_remove_apart_and_exits_1(readonly_mounts, tmp_path):
