@@ -117,6 +117,8 @@ class Accounting:
     def resumed(self, step: int | None) -> None:
         """The ranks of the current attempt resumed from `step`, which may differ from what it was launched with
         (the nodes agreed on another, or they read a newer local-tier copy): charge the previous attempt again."""
+        if not self.attempts:
+            return
         a = self.attempts[-1]
         if step == a.resume_step:
             return

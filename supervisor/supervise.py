@@ -373,6 +373,11 @@ class Supervisor:
 
     def on_resumed(self, step: int | None, tier: str | None, launched_at: float) -> None:
         self.resume.resumed(step)
+        # Charged again from where the ranks really resumed: an attempt that ends before its first step (a rerun
+        # that resumes at the last step, newer in the local tier than the durable step it was launched with)
+        # never corrects the launch's charge through a step record.
+        self.accounting.resumed(step)
+        self._sync_lost_steps()
         if self.replicator is not None and tier == "durable":
             self.replicator.pass_over_older_timeline(step, launched_at)
 

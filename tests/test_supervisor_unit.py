@@ -882,6 +882,30 @@ def test_a_passed_over_checkpoint_is_no_progress_and_set_aside_only_once_an_olde
     assert not (cfg.checkpoint.dir / store.step_dirname(40)).exists() and sup.record.quarantined[0]["step"] == 40
 
 
+def test_ranks_that_resume_newer_than_handed_and_end_at_once_charge_no_lost_steps(tmp_path):
+    """A rerun launched with durable step 100 whose ranks took local step 300, the last, and ended before any
+    step: the ledger kept the launch's charge, 200 steps lost that never were, in every later status (audit)."""
+    from supervisor.config import load_job
+    from supervisor.layout import RunLayout
+    from supervisor.supervise import Supervisor
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\n")
+    cfg = load_job(job)
+    sup = Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None)
+    ledger = sup.accounting
+    ledger.launch(1, 0.0, None)
+    for step in range(1, 301):
+        ledger.step(step, step * 0.1)
+        if step % 50 == 0:
+            ledger.save(step, 0.01)
+    ledger.end(31.0)
+    ledger.launch(2, 40.0, 100)
+    assert ledger.summary(41.0)["lost_steps"] == 200  # what the launch's step charges, until the ranks say
+    sup.on_resumed(300, "local", 40.0)
+    assert ledger.summary(41.0)["lost_steps"] == 0 and ledger.attempts[-1].resume_step == 300
+
+
 def test_sigtstp_without_a_terminal_to_continue_the_supervisor_is_ignored_with_a_word(monkeypatch, capsys):
     """Under nohup &, setsid or systemd no shell could `fg` it: stopping would leave the run unwatched for good."""
     from supervisor.commands import run as run_cmd
