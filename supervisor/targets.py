@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -172,11 +172,28 @@ def local_tiers(t: Target) -> list[tuple[str, Path]]:
     """(node, root) of each node-local tier the run's supervisors report (`checkpoint.local_dir`), that this
     machine can see. Inside the run dir it is recorded relative to it (a copied run dir acts on its own copy);
     outside, as with an outside checkpoint root, it is used as recorded and always named."""
+    found: list[tuple[str, Path]] = []
+    for node, root in _recorded_local_tiers(t):
+        # The durable root itself, or a folder another node already named, is not a second local tier: acting on
+        # it twice would delete by one tier's rule what the other keeps, and report each deletion twice.
+        if root.is_dir() and not any(_same(root, r) for r in [t.checkpoint_root, *(r for _, r in found)]):
+            found.append((node, root))
+    return found
+
+
+def missing_local_tiers(t: Target) -> list[tuple[str, Path]]:
+    """(node, root) of each node-local tier a state file records that this machine does not see (a replaced
+    node's, another machine's, or removed): said by name, never silently left out."""
+    there = local_tiers(t)
+    return [(node, root) for node, root in _recorded_local_tiers(t)
+            if not root.is_dir() and (node, root) not in there]
+
+
+def _recorded_local_tiers(t: Target) -> Iterator[tuple[str, Path]]:
     if t.run_dir is None:
-        return []
+        return
     from supervisor import state
 
-    found = []
     for path in layout.state_files(t.run_dir):
         try:
             rec = state.read(path)
@@ -186,11 +203,7 @@ def local_tiers(t: Target) -> list[tuple[str, Path]]:
         if not isinstance(recorded, str) or not recorded:
             continue
         root = layout.resolved(recorded, t.run_dir, what=f"{path} (replication.local_root)")
-        # The durable root itself, or a folder another node already named, is not a second local tier: acting on
-        # it twice would delete by one tier's rule what the other keeps, and report each deletion twice.
-        if root.is_dir() and not any(_same(root, r) for r in [t.checkpoint_root, *(r for _, r in found)]):
-            found.append((rec.node or rec.supervisor.get("host") or "node", root))
-    return found
+        yield rec.node or rec.supervisor.get("host") or "node", root
 
 
 def _same(a: Path, b: Path) -> bool:

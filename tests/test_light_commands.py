@@ -385,6 +385,38 @@ def test_inspect_exits_0_when_only_a_local_tier_holds_what_a_run_resumes_from(tm
     assert cli("inspect-checkpoint", run_dir).exit_code == 1
 
 
+def test_inspect_step_looks_in_every_tier_and_names_a_local_tier_that_is_not_there(tmp_path, cli):
+    """--step N said "no checkpoint for step N" (exit 1) for a step only the local tiers held, and named the durable
+    root, whose listing shows no local tier; a node's local tier that was gone was left out without a word (audit)."""
+    run_dir = tmp_path / "run"
+    write_checkpoint(run_dir / "checkpoints", 100)
+    flip_byte(write_checkpoint(run_dir / "checkpoints", 150) / ".metadata", 3)
+    for node in ("a", "b"):
+        for step in (150, 200):
+            write_checkpoint(run_dir / "local" / node, step)
+        rec = state.RunRecord(name="tiers", run_dir=".", checkpoint_dir="checkpoints", node=node,
+                              state=state.RunState.SUCCEEDED,
+                              replication={"local_root": f"local/{node}", "durable_root": "checkpoints"})
+        (run_dir / "nodes" / node).mkdir(parents=True)
+        state.write(run_dir / "nodes" / node / "state.json", rec)
+    r = cli("inspect-checkpoint", run_dir, "--step", "200")
+    assert r.exit_code == 0 and "step 200: valid in every node's local tier (no durable copy)" in r.stdout, r.output
+    r = cli("inspect-checkpoint", run_dir, "--step", "150", "--verify")  # the durable copy is corrupt, not the local
+    assert r.exit_code == 0 and "step 150: corrupt" in r.stdout, r.output
+    r = cli("inspect-checkpoint", run_dir, "--step", "175")
+    assert r.exit_code == 1 and r.stderr == (f"resilient: {run_dir}: no checkpoint for step 175 in any tier; "
+                                             f"`resilient inspect-checkpoint {run_dir}` lists them.\n"), r.stderr
+    shutil.rmtree(run_dir / "local" / "a")                        # node a replaced: its tier is gone
+    r = cli("inspect-checkpoint", run_dir, "--step", "200")
+    assert r.exit_code == 1 and "step 200: not valid in every node's local tier" in r.stdout, r.output
+    assert f"local tier of node a: {run_dir / 'local' / 'a'} — not on this machine" in r.stdout, r.stdout
+    doc = json.loads(cli("inspect-checkpoint", run_dir, "--json").stdout)
+    assert [(t["node"], t["missing"]) for t in doc["local_tiers"]] == [("b", False), ("a", True)]
+    assert doc["latest_valid_step"] == 100
+    r = cli("gc", run_dir, "--keep", "1", "--dry-run")
+    assert r.exit_code == 0 and f"local tier of node a: {run_dir / 'local' / 'a'} — not on this machine" in r.stdout
+
+
 def test_gc_deletes_a_finished_runs_spare_files_and_leaves_a_live_runs(tmp_path, cli):
     """The data files a run kept to write its next saves over (store.keep_spare) are the run's while it lives;
     after it, they are only memory taken (a local tier on tmpfs): gc frees them and says what they were."""

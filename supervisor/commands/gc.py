@@ -219,6 +219,10 @@ def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_
         result.local.append((node, lresult))
         if not as_json:
             lresult.render()
+    for node, lroot in targets.missing_local_tiers(t):
+        (render.err if as_json else render.out).print(
+            f"{'resilient: ' if as_json else ''}local tier of node {node}: {lroot} — not on this machine (another "
+            "machine's, or removed): nothing removed there", soft_wrap=True)
     if as_json:
         render.print_json(result.to_json())
     return result.exit_code

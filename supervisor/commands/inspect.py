@@ -26,6 +26,7 @@ class InspectResult:
     note: str | None = None  # names a checkpoint root outside the run dir
     local: list[tuple[str, Path, list[CheckpointInfo]]] | None = None  # each node-local tier: node, root, folders
     passed_over: list[tuple[str, str]] | None = None  # names like checkpoints under the root that no scan takes
+    missing_local: list[tuple[str, Path]] | None = None  # local tiers a state file records that are not there
 
     @property
     def latest_valid(self) -> CheckpointInfo | None:
@@ -37,17 +38,27 @@ class InspectResult:
         return self.checkpoints if self.step is None else [c for c in self.checkpoints if c.step == self.step]
 
     @property
+    def _local_steps(self) -> set[int]:
+        """The steps valid in every node's local tier (a node whose tier is not there holds none): the ones a
+        relaunch can take from there."""
+        tiers = [{c.step for c in infos if c.valid} for _, _, infos in self.local or []]
+        tiers += [set() for _ in self.missing_local or []]
+        return set.intersection(*tiers) if tiers else set()
+
+    @property
     def newest_local(self) -> int | None:
         """The newest step valid in every node's local tier: the one a relaunch takes from there."""
-        tiers = [{c.step for c in infos if c.valid} for _, _, infos in self.local or []]
-        return max(set.intersection(*tiers), default=None) if tiers else None
+        return max(self._local_steps, default=None)
 
     @property
     def exit_code(self) -> ExitCode:
-        if self.selected is None and self.latest_valid is None:  # a local tier's is what a run resumes from
-            return ExitCode.OK if self.newest_local is not None else ExitCode.FAILED
-        chosen = self.selected if self.selected is not None else self.latest_valid
-        return ExitCode.OK if chosen is not None and chosen.valid else ExitCode.FAILED
+        """0 when the selected step (--step), else the newest, is valid where a run would resume from it: the
+        durable tier, or every node's local tier."""
+        if self.step is not None:
+            ok = (self.selected is not None and self.selected.valid) or self.step in self._local_steps
+        else:
+            ok = self.latest_valid is not None or self.newest_local is not None
+        return ExitCode.OK if ok else ExitCode.FAILED
 
     def to_json(self) -> dict[str, Any]:
         latest = self.latest_valid
@@ -62,8 +73,10 @@ class InspectResult:
             {"node": node, "root": str(root),
              "latest_valid_step": next((c.step for c in reversed(infos) if c.valid), None),
              "checkpoints": [{**c.to_dict(), "tier": "local", "node": node} for c in infos
-                             if self.step is None or c.step == self.step]}
-            for node, root, infos in self.local]} if self.local else {})
+                             if self.step is None or c.step == self.step], "missing": False}
+            for node, root, infos in self.local or []] + [
+            {"node": node, "root": str(root), "latest_valid_step": None, "checkpoints": [], "missing": True}
+            for node, root in self.missing_local or []]} if self.local or self.missing_local else {})
 
     def render(self) -> None:
         if self.note:
@@ -85,6 +98,10 @@ class InspectResult:
             head = Text("no valid checkpoint", style="red")
         if self.selected is not None:
             head = Text.assemble(f"step {self.selected.step}: ", render.styled(self.selected.status.value), "; ", head)
+        elif self.step is not None:  # only a local tier holds it
+            everywhere = self.step in self._local_steps
+            head = Text.assemble(f"step {self.step}: ", ("" if everywhere else "not ") + "valid in every node's "
+                                 "local tier", " (no durable copy); ", head)
         how = "checksums verified" if self.verified else "sizes checked; --verify reads every byte"
         if self.verified and self.selected is not None:
             how = f"step {self.selected.step}'s checksums verified, the others' sizes checked"
@@ -92,8 +109,11 @@ class InspectResult:
         render.out.print(Text.assemble(f"{self.root} — ", head, f" ({how})"), soft_wrap=True)
         for node, root, infos in self.local or []:
             newest = next((c.step for c in reversed(infos) if c.valid), None)
-            render.out.print(f"local tier of node {node}: {root} — latest valid: step {newest}", markup=False,
-                             soft_wrap=True)
+            render.out.print(f"local tier of node {node}: {root} — latest valid: "
+                             f"{'none' if newest is None else f'step {newest}'}", soft_wrap=True)
+        for node, root in self.missing_local or []:
+            render.out.print(f"local tier of node {node}: {root} — not on this machine (another machine's, or "
+                             "removed): not listed", soft_wrap=True)
         table = self._tiers_table() if self.local else self._table()
         render.out.print(table)
 
@@ -170,10 +190,14 @@ def collect(target: str | None, step: int | None, verify: bool) -> InspectResult
     if t.step is not None:  # one folder named: that one, not another folder of its step (a quarantined one's twin)
         named = Path(os.path.abspath(os.path.expanduser(t.given)))
         chosen = [d for d in chosen if d == named] or chosen
-    if step is not None and not chosen:
+    local_dirs = [(node, lroot, store.checkpoint_dirs(lroot, quarantined=True))
+                  for node, lroot in targets.local_tiers(t)]
+    if step is not None and not chosen and not any(int(d.name[5:14]) == step for *_, ds in local_dirs for d in ds):
         # The contract's exit 1: the selected checkpoint is not valid (here: not there at all).
-        raise ResilientError(f"{t.checkpoint_root}: no checkpoint for step {step}; `resilient inspect-checkpoint "
-                             f"{t.checkpoint_root}` lists them.")
+        where = t.run_dir if local_dirs and t.run_dir is not None else t.checkpoint_root
+        raise ResilientError(f"{where}: no checkpoint for step {step}"
+                             f"{' in any tier' if local_dirs else ''}; `resilient inspect-checkpoint {where}` lists "
+                             "them.")
     deep = set(chosen) if verify else set()  # with --step, only that step is read byte by byte
     progress = _verify_progress(chosen) if verify else None
     if progress is None:
@@ -185,16 +209,16 @@ def collect(target: str | None, step: int | None, verify: bool) -> InspectResult
             infos = [store.inspect(d, deep=d in deep, progress=lambda n: progress.advance(task, n))
                      for d in dirs]
     selected = None
-    if step is not None:
+    if step is not None and chosen:
         mine = [i for i in infos if i.step == step]
         committed = [i for i in mine if not i.partial and not i.quarantined]
         selected = next((i for i in mine if i.path in chosen), None) if len(chosen) == 1 else None
         selected = selected or (committed or mine)[-1]
     local = [(node, lroot, [store.inspect(d, deep=verify and (step is None or int(d.name[5:14]) == step))
-                            for d in store.checkpoint_dirs(lroot, quarantined=True)])
-             for node, lroot in targets.local_tiers(t)]
+                            for d in dirs_there])
+             for node, lroot, dirs_there in local_dirs]
     return InspectResult(t.checkpoint_root, infos, selected, verify, step, t.root_note(), local,
-                         store.passed_over(root) if root is not None else [])
+                         store.passed_over(root) if root is not None else [], targets.missing_local_tiers(t))
 
 
 def main(target: str | None, step: int | None, verify: bool, as_json: bool) -> int:
