@@ -316,7 +316,7 @@ class Replicator:
                 self._idle.clear()
                 step = self._pick(todo)
                 try:  # a background loop logs and keeps going: the durable tier may come back
-                    self._replicate(step)
+                    wrote = self._replicate(step)
                 except LocalSaveReplaced as e:  # still queued: copied again, the new save
                     log.info("%s: copying the new save", e)
                 except LocalCopyDamaged as e:  # no news of the durable tier: the next step is copied at once
@@ -327,7 +327,8 @@ class Replicator:
                 else:
                     failures = 0
                     self._done(step)
-                    self._recovered()
+                    if wrote:  # news of the durable tier only when this node's write went through
+                        self._recovered()
                 with contextlib.suppress(Exception):
                     self._local_retention()
                     self._refresh()
@@ -405,13 +406,16 @@ class Replicator:
 
     # ---- one step ------------------------------------------------------------------------------------------
 
-    def _replicate(self, step: int) -> None:
+    def _replicate(self, step: int) -> bool:
+        """Put this node's part of `step` into the durable tier, and publish the step once every node's part is
+        there; True when this node wrote there, False when there was nothing to write (the local copy is gone or
+        damaged, another node completed the step, a newer one is durable): no news of the durable tier."""
         local = self.local_root / store.step_dirname(step)
         info = store.inspect(local)
         if not info.valid:  # gone (retention, a wiped node) or damaged: nothing of this node to vouch for
             log.warning("not replicating %s: %s", local, info.reason)
             self._unusable.add(step)
-            return
+            return False
         manifest = info.manifest
         assert manifest is not None
         marker = file_identity(local / store.MARKER)  # which save of this step the copy is of
@@ -423,11 +427,11 @@ class Replicator:
             done = store.inspect(final) if final.is_dir() else None
             if done is not None and done.valid and done.manifest is not None \
                     and _save_of(done.manifest.files) == _save_of(manifest.files):
-                return  # another node completed it
+                return False  # another node completed it
             # (valid, yet another save of this step number: the one a rollback re-made replaces it, once every
             # node's part of the new save is there)
             if step < max(self._durable_valid(), default=-1):
-                return  # superseded while queued: a newer step is durable (and this partial may be retention's now)
+                return False  # superseded while queued: a newer step is durable (this partial may be retention's)
             partial.mkdir(exist_ok=True)
             live = os.open(partial / store.WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -457,8 +461,8 @@ class Replicator:
             if isinstance(e, ValueError) and file_identity(local / store.MARKER) != marker:
                 raise LocalSaveReplaced(f"local step {step} was saved again while it was copied") from e
             raise
-        else:
-            os.close(live)
+        os.close(live)
+        return True
 
     def _reclaim(self, partial: Path) -> None:
         """After a failed copy: a durable partial that no node's part vouches for and no writer is in goes, so a

@@ -115,6 +115,25 @@ def test_an_unwritable_durable_tier_is_retried_and_reported_and_local_copies_are
         r.stop()
 
 
+def test_a_step_with_nothing_to_write_is_no_news_that_a_failing_durable_tier_works_again(tmp_path):
+    """A local step found damaged before any copy was taken for a success: "the durable tier works again" while it
+    was still full, and the outage clock that lets retention delete uncopied steps began anew (audit)."""
+    (tmp_path / "durable").write_text("not a folder")  # every write under it fails
+    damaged = local_checkpoint(tmp_path / "local-a", 10, "a")
+    (damaged / ".metadata").write_bytes((damaged / ".metadata").read_bytes()[::-1])  # small: found at once
+    said: list[str] = []
+    r = Replicator(tmp_path / "local-a", tmp_path / "durable", "a", keep_local=2, keep=3, outage_s=3600.0,
+                   announce=lambda text, style: said.append(text))
+    since = r.state.failing_since = time.time() - 60
+    r.start()
+    try:
+        r.notify(10)
+        assert r.drain(10.0)
+    finally:
+        r.stop()
+    assert r.state.failing_since == since and not any("works again" in text for text in said), said
+
+
 def test_a_restarted_replicator_finds_what_is_left_and_finishes_it(tmp_path):
     local_checkpoint(tmp_path / "local-a", 10, "a")
     local_checkpoint(tmp_path / "local-b", 10, "b")
