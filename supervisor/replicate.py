@@ -301,6 +301,8 @@ class Replicator:
         while not self._stop.is_set():
             self._wake.wait(RETRY_S[min(failures, len(RETRY_S) - 1)] if failures else 1.0)
             self._wake.clear()
+            if not failures:
+                self._see_published()
             if not failures and time.monotonic() >= revisit_at:
                 revisit_at = time.monotonic() + REVISIT_S
                 try:
@@ -334,6 +336,18 @@ class Replicator:
                     self._refresh()
                 if failures:
                     break
+
+    def _see_published(self) -> None:
+        """Another node may have published this node's newest local step since this node put its part there:
+        one stat a second while the state file shows a lag, and the state is read again once it is there (status
+        showed the node that did not publish one interval behind for most of each interval)."""
+        with self._lock:
+            local, durable = self.state.newest_local, self.state.newest_durable
+        if local is None or (durable is not None and durable >= local):
+            return
+        with contextlib.suppress(Exception):
+            if (self.durable_root / store.step_dirname(local)).is_dir():
+                self._refresh()
 
     def _pick(self, todo: list[int]) -> int:
         """The step to copy next: the newest queued one that another node has already put its part of into the

@@ -134,6 +134,28 @@ def test_a_step_with_nothing_to_write_is_no_news_that_a_failing_durable_tier_wor
     assert r.state.failing_since == since and not any("works again" in text for text in said), said
 
 
+def test_the_node_that_did_not_publish_sees_the_publish_within_seconds(tmp_path):
+    """Node b put its part of step 10 in; node a's publish came after: b's state (what status shows) said the
+    durable tier one interval behind until b's next copy (audit: for most of every interval)."""
+    for node in NODES:
+        local_checkpoint(tmp_path / f"local-{node}", 10, node)
+    b = replicator(tmp_path, "b")
+    b.start()
+    try:
+        b.notify(10)  # (not drain: at its end it waits up to 20 s for the other nodes' publish)
+        deadline = time.monotonic() + 30.0
+        while not (b.snapshot()["pending"] == [] and b._part(10).exists()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b._part(10).exists() and b.snapshot()["newest_durable"] is None  # its part is in, not published
+        replicator(tmp_path, "a")._replicate(10)
+        deadline = time.monotonic() + 5.0
+        while b.snapshot()["newest_durable"] != 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b.snapshot()["newest_durable"] == 10
+    finally:
+        b.stop()
+
+
 def test_a_restarted_replicator_finds_what_is_left_and_finishes_it(tmp_path):
     local_checkpoint(tmp_path / "local-a", 10, "a")
     local_checkpoint(tmp_path / "local-b", 10, "b")
