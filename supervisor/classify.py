@@ -106,9 +106,15 @@ def tail(path: Path | None, limit: int = 20_000) -> str:
         return ""
 
 
+DETAIL_CHARS = 600  # of a rank's last log line, in the console and status: a refusal's whole sentence fits
+
+
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else ""
+    if not lines:
+        return ""
+    line = lines[-1]
+    return line if len(line) <= DETAIL_CHARS else line[:DETAIL_CHARS].rsplit(" ", 1)[0] + " …"
 
 
 def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],

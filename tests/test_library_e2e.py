@@ -143,6 +143,8 @@ if mode == "own_pg":
 session = Session.start(ckpt_dir="ckpt", ckpt_interval=2, async_save=True)
 model = nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
+if mode == "foreign_parameter":  # as an optimizer built before fully_shard, which replaces the parameters
+    opt = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(1))], lr=0.01)
 extra = {"nested": {1: "one"}} if mode == "int_key" else {"best": float("nan"), "pair": (1, 2)}
 stateful = {"holder": PerRank(Holder())} if mode == "unpicklable" else {}
 state = TrainState(model, opt, extra=extra, stateful=stateful)
@@ -173,6 +175,8 @@ sys.exit(session.finish(step, state))
     ("own_pg", "the default process group was already initialized"),
     ("added_after_resume", "state.stateful changed after session.resume(state)"),
     ("bare_before_resume", "stateful['late'] is a bare Late: declare how its state is spread over the ranks"),
+    ("foreign_parameter", "cannot train: TrainState(model, optimizer): the optimizer holds a parameter that is not "
+                          "one of model.parameters()"),
 ])
 def test_a_misuse_of_the_library_ends_every_rank_with_exit_78_and_one_sentence(tmp_path, mode, says):
     """Each of these was a traceback and exit 1 (retried, as a passing fault would be), a hang, or a silent change

@@ -71,6 +71,15 @@ def test_parse_summary_finds_the_root_cause():
     assert [f.rank for f in failures] == [0, 1]
 
 
+def test_a_long_last_log_line_is_cut_at_a_word_and_says_so():
+    """A refusal's sentence was cut at 300 characters in the middle of a word ("... as a para")."""
+    sentence = "cannot train: " + " ".join(f"word{i}" for i in range(150)) + " (exit 78)"
+    detail = classify._last_line("earlier line\n" + sentence + "\n")
+    assert detail.endswith(" …") and len(detail) <= classify.DETAIL_CHARS + 2
+    assert sentence.startswith(detail[:-2]) and sentence[len(detail) - 2] == " "  # ends at a whole word
+    assert classify._last_line("short\n") == "short"
+
+
 @pytest.mark.parametrize("case, expect_reason, expect_rank", [
     ("peer", api.NODE_LOST, 1),
     ("sigkill", api.WORKER_SIGNAL, 1),

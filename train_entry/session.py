@@ -48,7 +48,7 @@ from train_entry import signals
 from train_entry.checkpoint import Checkpointer, SavePause
 from train_entry.heartbeat import Beater
 from train_entry.state import TrainState, seed_rank
-from train_entry.stateful import StatefulError
+from train_entry.stateful import Misuse, StatefulError
 
 log = logging.getLogger("train_entry")
 
@@ -148,6 +148,7 @@ class Session:
                         control_file=h.control_file if rank == 0 else None,
                         supervisor_pid=h.supervisor_pid, on_orphaned=lambda: stop.set("supervisor gone"))
         beater.start()
+        _misuse_ends_in_config(beater)
         t_pg = time.monotonic()
         try:
             ctx = dist_util.init(h.collective_timeout_s or collective_timeout_s or 600.0, device)
@@ -398,7 +399,7 @@ class Session:
         """Every rank logs the same sentence (the supervisor reports the failed rank's last log line) and exits
         with EXIT_CONFIG: retrying cannot help."""
         where = f"rank {rank}: " if rank >= 0 and self.world_size > 1 and not everyone_failed else ""
-        # Short enough for the supervisor's one-line report (it keeps 300 characters of the last log line).
+        # Short enough for the supervisor's one-line report (classify.DETAIL_CHARS of the last log line).
         log.error("cannot %s: %s%s (exit %d)", doing, where, problem, EXIT_CONFIG)
         self.beater.stop(phase="exited", exit_code=EXIT_CONFIG, exit_reason="config", saving_step=None)
         dist.destroy_process_group()
@@ -612,6 +613,26 @@ class Session:
             self.beater.stop(phase="exited", exit_code=EXIT_NAN, exit_reason=f"nan at step {step}", saving_step=None)
         dist_util.let_collective_threads_settle()  # the exit code, not a teardown's SIGABRT
         sys.exit(EXIT_NAN)
+
+
+def _misuse_ends_in_config(beater: Beater) -> None:
+    """A library misuse the script lets escape (`TrainState(...)` refusing an optimizer built before fully_shard)
+    ends the rank as the session's own refusals do: one sentence and EXIT_CONFIG, which the supervisor stops on,
+    not a traceback and exit 1, which it retried until its crash-loop rule. Installed after the heartbeat's hook,
+    so it runs first; any other exception goes on to it."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if isinstance(value, Misuse):
+            log.error("cannot train: %s (exit %d)", value, EXIT_CONFIG)
+            beater.stop(phase="exited", exit_code=EXIT_CONFIG, exit_reason="config", saving_step=None)
+            with contextlib.suppress(Exception):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            leave_now(EXIT_CONFIG)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def leave_now(code: int) -> NoReturn:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from train_entry.stateful import Declared, StatefulError, StatefulSet, leaves
+from train_entry.stateful import Declared, StatefulError, StatefulSet, TrainStateError, leaves
 
 log = logging.getLogger("train_entry")
 
@@ -83,29 +83,30 @@ class TrainState:
         several = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
         for opt in several:
             if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"TrainState(model, optimizer, ...): the optimizer is {type(opt).__name__}, not a "
-                                "torch.optim.Optimizer; pass the one training steps with (or a list of them)")
+                raise TrainStateError(f"TrainState(model, optimizer, ...): the optimizer is {type(opt).__name__}, "
+                                      "not a torch.optim.Optimizer; pass the one training steps with (or a list of "
+                                      "them)")
         if not several:
-            raise TypeError("TrainState(model, []): no optimizer; pass the one training steps with (or a list)")
+            raise TrainStateError("TrainState(model, []): no optimizer; pass the one training steps with (or a list)")
         seen: set[int] = set()
         for opt in several:
             mine = {id(p) for group in opt.param_groups for p in group["params"]}
             if mine & seen:
-                raise TypeError("TrainState(model, [optimizers]): a parameter is in two optimizers; each "
-                                "optimizer's state is saved under its parameters' names, so each parameter may "
-                                "have one")
+                raise TrainStateError("TrainState(model, [optimizers]): a parameter is in two optimizers; each "
+                                      "optimizer's state is saved under its parameters' names, so each parameter may "
+                                      "have one")
             seen |= mine
         if seen - {id(p) for p in self.model.parameters()}:
-            raise TypeError("TrainState(model, optimizer): the optimizer holds a parameter that is not one of "
-                            "model.parameters(), whose state could not be saved under a name; build the optimizer "
-                            "from model.parameters() after fully_shard (which replaces them), and keep a learnable "
-                            "tensor of your own as a parameter of a module inside the model")
+            raise TrainStateError("TrainState(model, optimizer): the optimizer holds a parameter that is not one of "
+                                  "model.parameters(), whose state could not be saved under a name; build the "
+                                  "optimizer from model.parameters() after fully_shard (which replaces them), and "
+                                  "keep a learnable tensor of your own as a parameter of a module inside the model")
         for sched in self._schedulers():
             if not callable(getattr(sched, "state_dict", None)) or not callable(getattr(sched, "load_state_dict",
                                                                                        None)):
-                raise TypeError(f"TrainState(model, optimizer, scheduler): the scheduler is a "
-                                f"{type(sched).__name__}, which has no state_dict() and load_state_dict(); pass an LR "
-                                "scheduler (or a list of them)")
+                raise TrainStateError(f"TrainState(model, optimizer, scheduler): the scheduler is a "
+                                      f"{type(sched).__name__}, which has no state_dict() and load_state_dict(); "
+                                      "pass an LR scheduler (or a list of them)")
         # Checked now, not at the first save; read again if `stateful` changes before the resume.
         self._stateful, self._declared, self._settled = StatefulSet(self.stateful), dict(self.stateful), False
 

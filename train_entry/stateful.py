@@ -49,9 +49,19 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")  # no dots: names are parts of 
 _PER_RANK_KEY = re.compile(r"^per_rank\.(?P<name>[^.]+)\.rank(?P<rank>\d+)$")
 
 
-class StatefulError(ValueError):
+class Misuse(Exception):
+    """A mistake in how the script uses the library, the same on every retry; its message is one sentence naming
+    the fix. One the script lets escape ends the rank with EXIT_CONFIG and that sentence, not a traceback and exit 1
+    that the supervisor would retry (train_entry.session installs the hook)."""
+
+
+class StatefulError(Misuse, ValueError):
     """A declared stateful object cannot be saved or restored as declared. The message is one sentence
     naming the object."""
+
+
+class TrainStateError(Misuse, TypeError):
+    """TrainState(...) refuses what it was given (an optimizer over parameters the model does not hold...)."""
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: the objects may be unhashable
