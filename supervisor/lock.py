@@ -90,24 +90,29 @@ OWNERS_DIR = ".resilient-owners"  # inside a checkpoint root: one lock file per 
 
 
 class RootClaim:
-    """A run's hold on its checkpoint root: two runs (two run dirs) must never write one root.
+    """A run's hold on its checkpoint root: two runs (two run dirs) must never write one root, nor two nodes one
+    node-local tier.
 
     Every supervisor of a run (one per node; they share its run dir) holds a shared `flock` on
-    `<root>/.resilient-owners/<run>.lock` for its life, where `<run>` names the run dir. Taking it, a
-    supervisor first checks, under an exclusive lock on `claim.lock` so that two starting at the same
-    instant are ordered, that no other run's file is held. The kernel drops the locks when a holder dies.
+    `<root>/.resilient-owners/<run>.lock` for its life, where `<run>` names the run dir (and, for a local tier,
+    the node). Taking it, a supervisor first checks, under an exclusive lock on `claim.lock` so that two starting
+    at the same instant are ordered, that no other run's file is held. The kernel drops the locks when a holder
+    dies.
     """
 
-    def __init__(self, root: str | os.PathLike, run_dir: str | os.PathLike, key: str = "checkpoint.dir"):
+    def __init__(self, root: str | os.PathLike, run_dir: str | os.PathLike, key: str = "checkpoint.dir",
+                 node: str | None = None):
         self.root = Path(root)
         self.run_dir = Path(os.path.realpath(run_dir))
         self.key = key  # the job-file key that names the root, for the sentence when it cannot be made
+        self.node = node  # a node-local tier's: one node's alone, never shared with the run's other nodes
         self._fd: int | None = None
 
     def _name(self) -> str:
         import hashlib
 
-        return hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:16] + ".lock"
+        owner = str(self.run_dir) if self.node is None else f"{self.run_dir}\0{self.node}"
+        return hashlib.sha256(owner.encode()).hexdigest()[:16] + ".lock"
 
     def prepare(self) -> None:
         """Make the root's owners folder and its claim file, or ConfigError: `resilient run` asks before it takes
@@ -133,7 +138,8 @@ class RootClaim:
             self.refuse_if_taken()
             fd = os.open(owners / self._name(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             fcntl.flock(fd, fcntl.LOCK_SH)
-            info = json.dumps({"run_dir": str(self.run_dir), "pid": os.getpid(), "host": socket.gethostname()})
+            info = json.dumps({"run_dir": str(self.run_dir), "pid": os.getpid(), "host": socket.gethostname(),
+                               "node": self.node})
             os.pwrite(fd, info.encode().ljust(4096), 0)  # one run's nodes all write the same run dir
             self._fd = fd
         finally:
@@ -151,11 +157,16 @@ class RootClaim:
             if other.name in (self._name(), "claim.lock"):
                 continue
             who = _held_by(other)
-            if who is not None:
+            if who is None:
+                continue
+            by = f"supervisor pid {who.get('pid', '?')} on {who.get('host', '?')}"
+            if self.node is not None and who.get("run_dir") == str(self.run_dir) and who.get("node"):
                 raise RunLockedError(
-                    f"{self.root} is the checkpoint root of another live run ({who.get('run_dir', '?')}, "
-                    f"supervisor pid {who.get('pid', '?')} on {who.get('host', '?')}); two runs must not share "
-                    "one: give this job its own checkpoint.dir, or stop the other run.")
+                    f"{self.root} is the local tier of node {who['node']} of this run ({by}); each node needs its "
+                    f"own: put {{node}} in {self.key} (as in /dev/shm/ckpt-{{node}}).")
+            raise RunLockedError(
+                f"{self.root} is the checkpoint root of another live run ({who.get('run_dir', '?')}, {by}); two runs "
+                f"must not share one: give this job its own {self.key}, or stop the other run.")
 
     def release(self) -> None:
         if self._fd is not None:

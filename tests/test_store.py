@@ -212,6 +212,24 @@ def test_two_runs_cannot_claim_one_checkpoint_root_but_one_runs_nodes_can(tmp_pa
     RootClaim(root, tmp_path / "run-b").acquire().release()  # once the first run is gone, the root is free
 
 
+def test_two_nodes_of_one_run_cannot_claim_one_local_tier_and_each_refusal_names_its_key(tmp_path):
+    """Two nodes on one host with one local_dir (no {node} in it) crash-looped on each other's partial saves, told
+    that "two jobs must not share a checkpoint root" (audit)."""
+    from supervisor.errors import RunLockedError
+    from supervisor.lock import RootClaim
+
+    local = tmp_path / "shm"
+    a = RootClaim(local, tmp_path / "run", "checkpoint.local_dir", node="a").acquire()
+    RootClaim(local, tmp_path / "run", "checkpoint.local_dir", node="a").acquire().release()  # node a again: its own
+    with pytest.raises(RunLockedError, match=r"is the local tier of node a of this run \(supervisor pid \d+ on .*\); "
+                                             r"each node needs its own: put \{node\} in checkpoint.local_dir"):
+        RootClaim(local, tmp_path / "run", "checkpoint.local_dir", node="b").acquire()
+    with pytest.raises(RunLockedError, match=r"give this job its own checkpoint\.local_dir, or stop the other run"):
+        RootClaim(local, tmp_path / "other-run", "checkpoint.local_dir", node="a").acquire()
+    a.release()
+    RootClaim(local, tmp_path / "run", "checkpoint.local_dir", node="b").acquire().release()
+
+
 @pytest.mark.parametrize("direct", [False, True])
 def test_a_file_written_over_a_spare_holds_exactly_the_new_bytes_and_never_writes_through_a_link(tmp_path, direct):
     """HashedFile(reuse=True) writes over a longer old file (its pages reused) and cuts the tail; a spare that is

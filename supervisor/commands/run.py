@@ -233,9 +233,9 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     check_writable(cfg, layout, local)
     check_run_dir_is_a_run_dir(cfg, layout, local)
     check_same_job(cfg, layout)
-    claims = [RootClaim(root, cfg.run_dir, key) for root, key in ((local, "checkpoint.local_dir"),
-                                                                  (cfg.checkpoint.dir, "checkpoint.dir"))
-              if root is not None]
+    claims = [RootClaim(cfg.checkpoint.dir, cfg.run_dir)]
+    if local is not None:  # a node's own: two nodes on one host (or a shared folder) must not take one local_dir
+        claims.insert(0, RootClaim(local, cfg.run_dir, "checkpoint.local_dir", node=layout.node_name))
     for claim in claims:  # another live run's root: refused before a new run dir is made for nothing
         claim.refuse_if_taken()
     for claim in claims:  # a root the filesystem refuses (a FUSE mount): before the run dir's lock is made
