@@ -355,7 +355,9 @@ class Supervisor:
                                    f"{commit.bytes / 1e6:.1f} MB in {commit.persist_s:.2f}s)")
             self.save_state()
             return
-        done = self._keep() if mine else None
+        # Judged as of this commit: a newer one already on disk (fast steps) is its own line's to count, or this
+        # line's "removed" would read as if fewer than `keep` were left.
+        done = self._keep(lambda info: info.step <= commit.step) if mine else None
         if done is not None:
             if done.removed:
                 removed = "; removed " + ", ".join(r.path.name for r in done.removed)

@@ -915,6 +915,31 @@ def test_ranks_that_resume_newer_than_handed_and_end_at_once_charge_no_lost_step
     assert ledger.summary(41.0)["lost_steps"] == 0 and ledger.attempts[-1].resume_step == 300
 
 
+def test_retention_at_a_commit_judges_the_checkpoints_up_to_that_commit(tmp_path, capsys):
+    """With fast steps step 125 was on disk when the supervisor read step 100's commit: "checkpoint step 100
+    committed; removed step_000000050, step_000000075" read as if only step 100 was left (audit)."""
+    from supervisor.config import load_job
+    from supervisor.console import EventConsole
+    from supervisor.layout import RunLayout
+    from supervisor.protocol import CommitRecord
+    from supervisor.supervise import Supervisor
+    from tests.ckpt_helpers import write_checkpoint
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\ncheckpoint: {keep: 2}\n")
+    cfg = load_job(job)
+    for step in (50, 75, 100, 125):
+        write_checkpoint(cfg.checkpoint.dir, step)
+    sup = Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None, console=EventConsole("demo"))
+    sup.on_checkpoint(CommitRecord(100, 0.0, 1.0, 1000), mine=True)
+    assert "checkpoint step 100 committed" in capsys.readouterr().err
+    assert sorted(p.name for p in cfg.checkpoint.dir.glob("step_*")) == [
+        "step_000000075", "step_000000100", "step_000000125"]
+    sup.on_checkpoint(CommitRecord(125, 0.0, 1.0, 1000), mine=True)
+    assert "checkpoint step 125 committed" in (err := capsys.readouterr().err) and "removed step_000000075" in err
+    assert sorted(p.name for p in cfg.checkpoint.dir.glob("step_*")) == ["step_000000100", "step_000000125"]
+
+
 def test_sigtstp_without_a_terminal_to_continue_the_supervisor_is_ignored_with_a_word(monkeypatch, capsys):
     """Under nohup &, setsid or systemd no shell could `fg` it: stopping would leave the run unwatched for good."""
     from supervisor.commands import run as run_cmd
