@@ -544,8 +544,9 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
         if pid is not None:
             return result(Status.INCOMPLETE, writer_text(pid))
         return result(Status.INCOMPLETE, "partial save, never committed (its writer is gone)")
-    if MARKER not in entries:
-        return result(Status.INCOMPLETE, "no completion marker: the save never finished")
+    if MARKER not in entries:  # the marker is written before the rename to step_<N>: its loss is damage
+        return result(Status.CORRUPT, "no completion marker, yet named as committed (it was written before the "
+                                      "folder got this name: removed since, or the folder copied in part)")
     if not stat.S_ISREG(entries[MARKER].st_mode):
         return result(Status.CORRUPT, f"{MARKER} {NOT_REGULAR}")
     try:

@@ -331,7 +331,7 @@ def test_gc_where_no_checkpoint_is_valid_removes_abandoned_partials_only(tmp_pat
     truncate(root / store.step_dirname(200) / "__1_0.distcp")
     (root / store.step_dirname(300) / store.MARKER).unlink()
     before = [c["status"] for c in json.loads(cli("inspect-checkpoint", root, "--json").stdout)["checkpoints"]]
-    assert before == ["corrupt", "corrupt", "incomplete", "incomplete"], before
+    assert before == ["corrupt", "corrupt", "corrupt", "incomplete"], before
 
     r = cli("gc", root, "--keep", "1", "--json")
     doc = json.loads(r.stdout)

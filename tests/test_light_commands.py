@@ -31,7 +31,7 @@ def test_inspect_json_contract_and_statuses(zoo, cli):
         assert set(c) >= INSPECT_FIELDS
     assert by_step[(10, False)]["world_size"] == 2 and by_step[(10, False)]["files"] == 3
     assert [by_step[(s, False)]["status"] for s in (10, 20, 30, 40, 50, 60)] == [
-        "valid", "incomplete", "corrupt", "valid", "corrupt", "corrupt"]
+        "valid", "corrupt", "corrupt", "valid", "corrupt", "corrupt"]
     assert by_step[(70, True)]["status"] == "incomplete"
 
 

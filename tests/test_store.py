@@ -75,7 +75,7 @@ def test_every_status_and_reason(zoo):
     got = {(i.step, i.partial): i for i in store.scan(zoo)}
     expect = {
         (10, False): (Status.VALID, "sizes match"),
-        (20, False): (Status.INCOMPLETE, "no completion marker"),
+        (20, False): (Status.CORRUPT, "no completion marker, yet named as committed"),
         (30, False): (Status.CORRUPT, "__1_0.distcp is 4087 bytes, manifest says 4097 (truncated)"),
         (35, False): (Status.CORRUPT, ".metadata checksum mismatch"),
         (40, False): (Status.VALID, "sizes match, 1 small file(s) checksummed"),
