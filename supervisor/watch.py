@@ -29,7 +29,8 @@ from supervisor.protocol import Heartbeat
 SILENT = "silent"
 NO_PROGRESS = "no_progress"
 NO_HEARTBEAT = "no_heartbeat"
-STARTUP = "startup"
+STARTUP = "startup"  # still starting up or loading after startup_timeout_s
+SAVE_TOO_LONG = "save_too_long"  # in a save longer than save_timeout_s
 STOP_IGNORED = "stop_ignored"  # still running when a graceful stop's grace ran out
 STALL_FLOOR_BEATS = 3  # a stall limit is never below this many heartbeat intervals
 
@@ -44,7 +45,7 @@ class RankSeen:
 @dataclass(frozen=True)
 class Hang:
     rank: int | None
-    kind: str  # SILENT, NO_PROGRESS, NO_HEARTBEAT, STARTUP, STOP_IGNORED
+    kind: str  # SILENT, NO_PROGRESS, NO_HEARTBEAT, STARTUP, SAVE_TOO_LONG, STOP_IGNORED
     for_s: float
     step: int | None
     phase: str | None
@@ -61,7 +62,7 @@ class Hang:
         if self.kind == NO_PROGRESS:
             waits = " (waiting for the others at the step-end agreement)" if self.waiting else ""
             return f"{who} made no progress for {self.for_s:.0f}s at step {self.step}{waits}"
-        if self.kind == STARTUP:
+        if self.kind in (STARTUP, SAVE_TOO_LONG):
             return f"{who} still in {self.phase} after {self.for_s:.0f}s"
         if self.kind == STOP_IGNORED:
             return f"{who} still running {self.for_s:.0f}s after the stop signal (step {self.step}, {self.phase})"
@@ -125,7 +126,7 @@ class RankWatch:
                     found.append(Hang(rank, STARTUP, since_launch, s.hb.step, phase))
             elif phase == "save":  # not held to the step's pace, but not forever either (a hung NFS mount)
                 if now - s.step_at > (self.save_timeout_s or self.startup_timeout_s):
-                    found.append(Hang(rank, STARTUP, now - s.step_at, s.hb.step, phase))
+                    found.append(Hang(rank, SAVE_TOO_LONG, now - s.step_at, s.hb.step, phase))
             elif phase == "train" and s.hb.first_step_at is None and since_launch <= self.startup_timeout_s:
                 continue  # its first step: the startup's allowance
             elif phase == "train" and now - s.step_at > limit:
@@ -138,7 +139,8 @@ class RankWatch:
             for rank in range(self.expected_ranks):
                 if rank not in self.seen:
                     found.append(Hang(rank, NO_HEARTBEAT, since_launch, None, None))
-        order = {SILENT: 0, NO_HEARTBEAT: 1, STARTUP: 2, NO_PROGRESS: 3}  # one never heard of: what the others wait for
+        # One never heard of: what the others wait for.
+        order = {SILENT: 0, NO_HEARTBEAT: 1, STARTUP: 2, SAVE_TOO_LONG: 2, NO_PROGRESS: 3}
         # Among ranks without progress, one waiting for the others at the step-end agreement is not the one held up.
         return sorted(found, key=lambda h: (order[h.kind], h.waiting, -h.for_s))
 

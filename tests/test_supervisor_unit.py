@@ -18,7 +18,7 @@ from supervisor.launch import torchrun_argv
 from supervisor.policy import LoadFailure, RestartPolicy
 from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat, write_heartbeat
 from supervisor.state import RunState
-from supervisor.watch import NO_HEARTBEAT, NO_PROGRESS, SILENT, STARTUP, RankWatch
+from supervisor.watch import NO_HEARTBEAT, NO_PROGRESS, SAVE_TOO_LONG, SILENT, STARTUP, RankWatch
 from tests.runs import FakeHandle
 
 SUMMARY = """\
@@ -289,14 +289,15 @@ def test_hang_rules_with_injected_time():
     for t in range(2, 104):
         w4.observe({0: hb(0, phase="save", seq=t, step=5)}, now=t)
     assert w4.hangs(101.5) == []
-    assert [(h.kind, h.describe()) for h in w4.hangs(103.5)] == [(STARTUP, "rank 0 still in save after 102s")]
+    # (kind "save_too_long" in hang_evidence.json: it said "startup", for a hang in a save; audit)
+    assert [(h.kind, h.describe()) for h in w4.hangs(103.5)] == [(SAVE_TOO_LONG, "rank 0 still in save after 102s")]
     # heartbeat.save_timeout_s: a state that takes longer to write than to load is given its own allowance.
     w5 = RankWatch(0.0, 10, 100, save_timeout_s=300)
     w5.observe({0: hb(0, phase="train", seq=1, step=5)}, now=1)
     for t in range(2, 304):
         w5.observe({0: hb(0, phase="save", seq=t, step=5)}, now=t)
     assert w5.hangs(200) == [] and w5.hangs(301.5) == []
-    assert [h.kind for h in w5.hangs(303.5)] == [STARTUP]
+    assert [h.kind for h in w5.hangs(303.5)] == [SAVE_TOO_LONG]
     w3 = RankWatch(0.0, 10, 30, expected_ranks=1)
     assert [h.kind for h in w3.hangs(31)] == [NO_HEARTBEAT]
     w3.observe({0: hb(0, phase="startup", seq=1)}, now=25)
