@@ -1,3 +1,3 @@
-from supervisor.cli import main
+from supervisor.entry import main
 
 main()

@@ -250,6 +250,23 @@ def test_version(cli):
     assert r.exit_code == 0 and r.stdout.startswith("resilient ")
 
 
+def test_a_ctrl_c_while_the_cli_is_still_importing_is_exit_130_without_a_traceback():
+    """The first ~0.1 s of `resilient run` are typer's and rich's imports: a Ctrl-C there printed ~20 lines of
+    traceback (audit). The interrupt is made to land inside those imports, as it did."""
+    script = ("import builtins, sys\n"
+              "real = builtins.__import__\n"
+              "def interrupted(name, *a, **k):\n"
+              "    if name == 'rich.console':\n"
+              "        raise KeyboardInterrupt\n"
+              "    return real(name, *a, **k)\n"
+              "builtins.__import__ = interrupted\n"
+              "sys.argv = ['resilient', 'status']\n"
+              "from supervisor.entry import main\n"
+              "main()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 130 and out.stderr == "" and out.stdout == "", out
+
+
 def test_importing_the_cli_does_not_import_torch():
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import supervisor.cli"],
                          capture_output=True, text=True, check=True, timeout=60)
