@@ -537,8 +537,12 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
                               manifest.world_size if manifest else None,
                               manifest.created_at if manifest else mtime, partial, manifest, quarantined)
 
-    if quarantined:
-        return result(Status.CORRUPT, f"quarantined: {quarantine_reason(path)}")
+    if quarantined:  # its marker, if it still reads, gives its world size and when it was written
+        kept = None
+        if MARKER in entries and stat.S_ISREG(entries[MARKER].st_mode):
+            with contextlib.suppress(ValueError, UnsupportedChecksum, OSError):
+                kept = Manifest.from_json(read_regular(path / MARKER))
+        return result(Status.CORRUPT, f"quarantined: {quarantine_reason(path)}", kept)
     if partial:
         pid = writer_alive(path)
         if pid is not None:

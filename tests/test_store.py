@@ -191,6 +191,8 @@ def test_quarantine_renames_aside_with_the_reason_and_nothing_else_sees_it(tmp_p
     assert [(i.step, i.quarantined, i.status) for i in listed] == [(10, False, Status.VALID),
                                                                    (20, True, Status.CORRUPT)]
     assert listed[1].reason == "quarantined: .metadata checksum mismatch"
+    # Its marker still says who wrote it, and when: not the time it was set aside (audit).
+    assert listed[1].world_size == 2 and listed[1].created_at == listed[1].manifest.created_at
     again = store.quarantine(write_checkpoint(tmp_path, 20), "again")  # the same step set aside twice
     assert again.name == "step_000000020.quarantined.2" and moved.exists()
     # Retention never deletes one: it is evidence.
