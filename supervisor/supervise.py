@@ -295,7 +295,9 @@ class Supervisor:
         self.record.last_checkpoint_step = rec.last_checkpoint_step = newest
         self.save_state()
         if outcome.reason not in (api.FINISHED, api.STOPPED):
-            where = f" at step {outcome.step}" if outcome.step is not None else ""
+            # A rank's heartbeat says step 0 until it has loaded: "at step 0" after a resume from 150 misled.
+            stepped = outcome.step is not None and (outcome.step > 0 or rec.first_step_at is not None)
+            where = f" at step {outcome.step}" if stepped else " before its first step"
             self.console.event(f"attempt {rec.attempt} failed{where}: {outcome.reason} — {outcome.detail}",
                                style="red")
 
