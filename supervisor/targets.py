@@ -183,10 +183,12 @@ def local_tiers(t: Target) -> list[tuple[str, Path]]:
 
 def missing_local_tiers(t: Target) -> list[tuple[str, Path]]:
     """(node, root) of each node-local tier a state file records that this machine does not see (a replaced
-    node's, another machine's, or removed): said by name, never silently left out."""
-    there = local_tiers(t)
-    return [(node, root) for node, root in _recorded_local_tiers(t)
-            if not root.is_dir() and (node, root) not in there]
+    node's, another machine's, or removed): said by name, never silently left out; each folder once."""
+    missing: list[tuple[str, Path]] = []
+    for node, root in _recorded_local_tiers(t):
+        if not root.is_dir() and root not in (r for _, r in missing):
+            missing.append((node, root))
+    return missing
 
 
 def _recorded_local_tiers(t: Target) -> Iterator[tuple[str, Path]]:
