@@ -153,9 +153,7 @@ class Session:
         try:
             ctx = dist_util.init(h.collective_timeout_s or collective_timeout_s or 600.0, device)
         except ValueError as e:  # the script's setup, the same on every retry: EXIT_CONFIG, one sentence
-            log.error("cannot start: %s (exit %d)", e, EXIT_CONFIG)
-            beater.stop(phase="exited", exit_code=EXIT_CONFIG, exit_reason="config", saving_step=None)
-            leave_now(EXIT_CONFIG)  # a process group the script made itself is gloo's too
+            end_as_config(beater, "start", str(e), destroy_group=False)  # a group the script made is gloo's too
         pg_s = time.monotonic() - t_pg
         beater.update(world_size=ctx.world_size)
         durable = h.ckpt_dir or ckpt_dir or "checkpoints"
@@ -399,11 +397,7 @@ class Session:
         """Every rank logs the same sentence (the supervisor reports the failed rank's last log line) and exits
         with EXIT_CONFIG: retrying cannot help."""
         where = f"rank {rank}: " if rank >= 0 and self.world_size > 1 and not everyone_failed else ""
-        # Short enough for the supervisor's one-line report (classify.DETAIL_CHARS of the last log line).
-        log.error("cannot %s: %s%s (exit %d)", doing, where, problem, EXIT_CONFIG)
-        self.beater.stop(phase="exited", exit_code=EXIT_CONFIG, exit_reason="config", saving_step=None)
-        dist.destroy_process_group()
-        leave_now(EXIT_CONFIG)
+        end_as_config(self.beater, doing, where + problem, destroy_group=True)
 
     # ---- every step ---------------------------------------------------------------------------------
 
@@ -624,15 +618,21 @@ def _misuse_ends_in_config(beater: Beater) -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         if isinstance(value, Misuse):
-            log.error("cannot train: %s (exit %d)", value, EXIT_CONFIG)
-            beater.stop(phase="exited", exit_code=EXIT_CONFIG, exit_reason="config", saving_step=None)
-            with contextlib.suppress(Exception):
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            leave_now(EXIT_CONFIG)
+            end_as_config(beater, "train", str(value), destroy_group=dist.is_initialized())
         previous(kind, value, tb)
 
     sys.excepthook = hook
+
+
+def end_as_config(beater: Beater, doing: str, problem: str, *, destroy_group: bool) -> NoReturn:
+    """End this rank as a configuration error (the script's setup, the same on every retry): one sentence on the
+    log, short enough for the supervisor's one-line report (classify.DETAIL_CHARS of the last log line), the
+    heartbeat's last word, and EXIT_CONFIG, which the supervisor stops on rather than retry."""
+    log.error("cannot %s: %s (exit %d)", doing, problem, EXIT_CONFIG)
+    beater.stop(phase="exited", exit_code=EXIT_CONFIG, exit_reason="config", saving_step=None)
+    if destroy_group:
+        dist.destroy_process_group()
+    leave_now(EXIT_CONFIG)
 
 
 def leave_now(code: int) -> NoReturn:
