@@ -170,7 +170,9 @@ class TorchrunProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
         for p in self.alive():  # anything that left the group (a prewarmed rank: through its proxy, but SIGKILL)
-            with contextlib.suppress(psutil.Error):
+            # A process may end between alive() and here: os.getpgid then raises ProcessLookupError, which is not a
+            # psutil.Error (CI once ended a stop that way, with a traceback, exit 1 and the ranks left unkilled).
+            with contextlib.suppress(psutil.Error, OSError):
                 if os.getpgid(p.pid) != self.pid and (sig == signal.SIGKILL or not prewarm.forked_by_server(p)):
                     p.send_signal(sig)
 

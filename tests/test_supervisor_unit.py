@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sys
@@ -1184,3 +1185,35 @@ def test_a_full_disk_note_advises_a_lower_keep_only_where_there_is_more_than_one
     assert attempt.disk_note(tmp_path).endswith("(free space there)")  # keep cannot go below the one there is
     write_checkpoint(tmp_path, 20)
     assert attempt.disk_note(tmp_path).endswith("(free space there, or lower checkpoint.keep)")
+
+
+def test_a_process_that_ends_while_the_group_is_signalled_does_not_end_the_stop(tmp_path, monkeypatch):
+    """Between listing the live processes and asking each for its group, one may exit: the stop goes on and
+    still kills the rest (CI once ended a supervisor here with a ProcessLookupError traceback and exit 1)."""
+    from supervisor.launch import TorchrunProcess
+
+    # a process that left torchrun's group, as a prewarmed rank does, and so is signalled one by one
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], " \
+           "start_new_session=True); time.sleep(60)"
+    proc = TorchrunProcess([sys.executable, "-c", code], {"PATH": "/usr/bin:/bin"}, tmp_path / "log")
+    try:
+        deadline = time.monotonic() + 20
+        while len(proc.alive()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            proc.track()
+        assert len(proc.alive()) == 2, "the stand-in and its child never both started"
+        real = os.getpgid
+
+        def gone_unless_torchrun(pid):  # the child exits just after alive() listed it
+            if pid != proc.pid:
+                raise ProcessLookupError(3, "No such process")
+            return real(pid)
+
+        monkeypatch.setattr("supervisor.launch.os.getpgid", gone_unless_torchrun)
+        assert proc.stop(grace_s=0.5) == []
+        assert proc.alive() == []
+    finally:
+        monkeypatch.undo()
+        for p in proc.alive():
+            p.kill()
+        proc.close()
