@@ -9,11 +9,13 @@ import json
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 PAGE = 4096  # O_DIRECT's alignment for buffers, offsets and lengths (a multiple of every logical block size)
 CHUNK = 64 << 20  # bytes per write and per hash update: few GIL acquisitions, bounded memory per call
+TAP_BLOCK = 1 << 20  # HashedFile.write's tap: hashed twice while in the cache
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -165,13 +167,21 @@ class HashedFile:
         self.size = 0
         self.direct_bytes = 0
 
-    def write(self, data: memoryview, *, aligned: bool = False) -> None:
-        """Append `data`; `aligned`: its buffer starts on a page boundary (O_DIRECT may take it)."""
+    def write(self, data: memoryview, *, aligned: bool = False,
+              tap: Callable[[int, memoryview], None] | None = None) -> None:
+        """Append `data`; `aligned`: its buffer starts on a page boundary (O_DIRECT may take it). `tap` is shown
+        every byte, with its offset in the file, each TAP_BLOCK right after the file's hash has read it (while it
+        is still in the CPU's cache: a second hash of the same bytes then costs ~40% of the first, not 100%)."""
         fd = self.direct_fd if aligned and self.direct_fd is not None and self.size % PAGE == 0 else self.fd
         for start in range(0, len(data), CHUNK):
             chunk = data[start:start + CHUNK]
-            self.hash.update(chunk)
             offset = self.size + start
+            if tap is None:
+                self.hash.update(chunk)
+            for at in range(0, len(chunk), TAP_BLOCK) if tap is not None else ():
+                block = chunk[at:at + TAP_BLOCK]
+                self.hash.update(block)
+                tap(offset + at, block)
             if fd == self.direct_fd and len(chunk) % PAGE == 0:
                 try:
                     pwrite_all(fd, chunk, offset)

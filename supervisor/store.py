@@ -21,7 +21,9 @@ Writing protocol (`begin` → every rank writes and `describe_files` its own fil
 A checkpoint is valid only when its marker parses (and matches its own checksum) and every listed file is
 present with its recorded size, with nothing unlisted beside them; the small files that make a checkpoint
 loadable (DCP's `.metadata`, anything up to SMALL_FILE_BYTES) must also match their checksums, in every
-mode, and a deep check reads every byte. This module never imports torch.
+mode, and a deep check reads every byte. Within a rank's data file, each item's bytes have checksums of their
+own, per piece, in a table at the file's end (`sums_trailer`), which the loading ranks check as they read.
+This module never imports torch.
 """
 
 from __future__ import annotations
@@ -139,6 +141,111 @@ def checksum_file(path: str | os.PathLike, algorithm: str = CHECKSUM_ALGORITHM,
             if progress is not None:
                 progress(n)
     return h.hexdigest()
+
+
+class PieceMismatch(ValueError):
+    """Bytes read back do not match the checksum recorded for them when they were saved."""
+
+
+@dataclass(frozen=True)
+class PieceSums:
+    """The checksums of one saved item (a tensor's raw bytes, or a pickled value, in a rank's data file), one
+    per `piece` bytes from its start: a load verifies each piece it reads, so a flipped bit is found there even
+    when the check before a relaunch looked at sizes only. Kept in a table at the end of the data file
+    (`sums_trailer`), which the file's own checksum covers."""
+
+    algorithm: str
+    piece: int
+    digests: tuple[bytes, ...]
+
+    def check(self, index: int, view: memoryview | bytes, what: str) -> None:
+        """Raises PieceMismatch unless `view` is piece `index`'s bytes as saved; `what` names the item."""
+        h = _hasher(self.algorithm)
+        h.update(view)
+        if index >= len(self.digests) or h.digest() != self.digests[index]:
+            start = index * self.piece
+            raise PieceMismatch(f"{what}: bytes {start}-{start + len(view)} do not match the checksum recorded "
+                                "when they were saved (the file was damaged since)")
+
+    def check_all(self, view: memoryview | bytes, what: str) -> None:
+        for i, start in enumerate(range(0, max(len(view), 1), self.piece)):
+            self.check(i, view[start:start + self.piece], what)
+
+
+SUMS_MAGIC = b"RSUMS\x00\x00\x01"  # the last 8 bytes of a data file that ends with its items' checksums
+
+
+def sums_trailer(items: Sequence[tuple[int, int, PieceSums]]) -> bytes:
+    """What a rank appends to its data file: a table of its items' checksums, keyed by (offset, length), then the
+    table's length and SUMS_MAGIC. Every item's sums share one algorithm and piece size."""
+    algorithm = items[0][2].algorithm if items else CHECKSUM_ALGORITHM
+    piece = items[0][2].piece if items else 0
+    assert all(s.algorithm == algorithm and s.piece == piece for _, _, s in items)
+    doc = {"algorithm": algorithm, "piece": piece,
+           "items": [[offset, length, b"".join(s.digests).hex()] for offset, length, s in items]}
+    table = json.dumps(doc, separators=(",", ":")).encode()
+    return table + len(table).to_bytes(8, "little") + SUMS_MAGIC
+
+
+def read_sums_trailer(fd: int, name: str) -> dict[tuple[int, int], PieceSums]:
+    """The checksums table at the end of data file `fd` (`name` for the message), by (offset, length);
+    PieceMismatch if the file does not end with one that parses."""
+    size = os.fstat(fd).st_size
+    tail = os.pread(fd, 16, max(0, size - 16))
+    length = int.from_bytes(tail[:8], "little") if len(tail) == 16 else -1
+    if tail[8:] != SUMS_MAGIC or not 0 < length <= size - 16:
+        raise PieceMismatch(f"{name}: its table of checksums is not at its end (the file was damaged or cut)")
+    try:
+        doc = json.loads(os.pread(fd, length, size - 16 - length))
+        algorithm, piece, out = doc["algorithm"], doc["piece"], {}
+        for offset, n, digests in doc["items"]:
+            raw = bytes.fromhex(digests)
+            count = max(1, -(-n // piece))
+            width = len(raw) // count
+            out[(offset, n)] = PieceSums(algorithm, piece, tuple(raw[k:k + width] for k in range(0, len(raw), width)))
+        return out
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+        raise PieceMismatch(f"{name}: its table of checksums does not parse ({e}): the file was damaged") from None
+
+
+class PieceSummer:
+    """Builds the PieceSums of items within a stream of bytes being written: `feed` it the whole stream, in
+    order, as (position, bytes); each item is a (start, length) range of the stream (ranges may overlap: a
+    state can hold one tensor under two names)."""
+
+    def __init__(self, items: Sequence[tuple[int, int]], piece: int, algorithm: str = CHECKSUM_ALGORITHM):
+        self.items, self.piece, self.algorithm = list(items), piece, algorithm
+        self.digests: list[list[bytes]] = [[] for _ in self.items]
+        self._order = sorted(range(len(self.items)), key=lambda k: self.items[k][0])
+        self._next = 0  # in _order: the first item not yet begun
+        self._open: dict[int, Any] = {}  # item -> the hasher of its piece being summed
+
+    def feed(self, pos: int, view: memoryview) -> None:
+        end = pos + len(view)
+        while self._next < len(self._order) and self.items[self._order[self._next]][0] < end:
+            self._open[self._order[self._next]] = None
+            self._next += 1
+        for k in list(self._open):
+            start, length = self.items[k]
+            lo, hi = max(pos, start), min(end, start + length)
+            while lo < hi:  # piece by piece
+                piece_end = start + (len(self.digests[k]) + 1) * self.piece
+                upto = min(hi, piece_end)
+                h = self._open[k] or _hasher(self.algorithm)
+                h.update(view[lo - pos:upto - pos])
+                self._open[k] = h
+                if upto == piece_end or upto == start + length:
+                    self.digests[k].append(h.digest())
+                    self._open[k] = None
+                lo = upto
+            if start + length <= end:
+                del self._open[k]
+
+    def sums(self) -> list[PieceSums]:
+        """One PieceSums per item (an empty item has the digest of no bytes)."""
+        empty = _hasher(self.algorithm).digest()
+        return [PieceSums(self.algorithm, self.piece, tuple(d) if d or length else (empty,))
+                for d, (_, length) in zip(self.digests, self.items, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------------

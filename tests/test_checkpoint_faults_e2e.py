@@ -71,6 +71,33 @@ def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_the_newest_w
     assert f"set aside step {newest.step} as {newest.path.name}.quarantined: .metadata checksum mismatch" in text.stdout
 
 
+def test_a_bit_flipped_inside_a_large_shard_passes_the_size_check_and_is_caught_by_the_load(tmp_path):
+    """`verify: size` (the default) knows a shard past SMALL_FILE_BYTES by its size alone, which a flipped bit
+    leaves as it was: the ranks catch it as they load (each piece of each item against the checksum kept at the
+    end of its file), exit 74, and the supervisor checks that checkpoint in full, sets it aside and resumes from
+    the one before. Before, the run went on from slightly wrong weights without a word."""
+    from train_entry import storage
+
+    run_dir, wide, every_10 = tmp_path / "run", ("--n-embd", "128"), "checkpoint.interval_steps=10"
+    finish(run_job(run_dir, every_10, steps=20, sleep=0.0, extra_args=wide), tmp_path, "first.log")
+    newest = store.latest_valid(run_dir / "checkpoints")
+    assert newest.step == 20
+    items = storage.RawReader(newest.path).read_metadata().storage_data
+    index, info = max(((i, v) for i, v in items.items() if v.relative_path == "__1_0.distcp"),
+                      key=lambda kv: kv[1].length)
+    assert (newest.path / info.relative_path).stat().st_size > store.SMALL_FILE_BYTES
+    flip_byte(newest.path / info.relative_path, offset=info.offset + info.length // 2)
+    assert store.inspect(newest.path).valid  # what the check before a relaunch sees
+    console = finish(run_job(run_dir, every_10, steps=30, sleep=0.0, extra_args=wide), tmp_path, "second.log")
+    history = status(run_dir)["history"][1:]
+    assert [(h["reason"], h["resumed_from_step"]) for h in history] == [("checkpoint_load", 20), ("finished", 10)]
+    assert f"__1_0.distcp ({index.fqn}): bytes" in history[0]["detail"]
+    assert "do not match the checksum recorded when they were saved" in history[0]["detail"]
+    assert f"set {newest.path.name} aside as {newest.path.name}.quarantined: __1_0.distcp checksum mismatch" \
+           in console, console[-3000:]
+    assert "finished at step 30" in console
+
+
 def test_a_whole_checkpoint_the_ranks_cannot_load_is_retried_then_set_aside_once(tmp_path):
     """Step 40 is replaced by a whole checkpoint of another model (every byte matches its manifest): the ranks
     fail to load it, twice; it is set aside and the run goes on from step 20."""

@@ -375,3 +375,57 @@ def test_a_committed_checkpoint_is_readable_as_the_umask_says_and_the_job_file_s
     assert stat.S_IMODE(os.stat(final / store.MARKER).st_mode) == as_open  # 0644 under the usual umask
     atomic_write_json(tmp_path / "job.json", {"env": {"TOKEN": "x"}}, private=True)
     assert stat.S_IMODE(os.stat(tmp_path / "job.json").st_mode) == 0o600
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_piece_sums_built_from_a_stream_fed_in_any_blocks_match_each_items_own_pieces(tmp_path, seed):
+    """The writer sums items as their bytes stream past, in blocks that cut items anywhere, items overlapping (one
+    tensor under two names), empty ones too; the table at the file's end gives each back by (offset, length) and
+    every piece checks, and a changed byte fails exactly its own piece."""
+    import random
+
+    rng = random.Random(seed)
+    data = rng.randbytes(5000)
+    piece = rng.choice([7, 64, 1000, 1 << 20])
+    items = sorted({(o, min(rng.randint(0, 1500), 5000 - o)) for o in rng.sample(range(5000), 12)})
+    items += [items[0], (0, 0)]  # an alias, and an empty item
+    summer = store.PieceSummer(items, piece)
+    pos = 0
+    while pos < len(data):
+        n = rng.randint(1, 900)
+        summer.feed(pos, memoryview(data)[pos:pos + n])
+        pos += n
+    sums = summer.sums()
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(data + store.sums_trailer([(o, n, s) for (o, n), s in zip(items, sums, strict=True)]))
+    with open(path, "rb") as f:
+        table = store.read_sums_trailer(f.fileno(), path.name)
+    for (offset, length), s in zip(items, sums, strict=True):
+        assert table[(offset, length)] == s
+        own = data[offset:offset + length]
+        assert len(s.digests) == max(1, -(-length // piece))
+        s.check_all(own, "item")
+        if length:
+            at = rng.randrange(length)
+            bad = bytearray(own)
+            bad[at] ^= 1
+            with pytest.raises(store.PieceMismatch, match=f"item: bytes {at // piece * piece}-"):
+                s.check_all(bytes(bad), "item")
+
+
+def test_a_data_file_without_its_table_of_checksums_says_so(tmp_path):
+    path = tmp_path / "__0_0.distcp"
+
+    def table_of(content: bytes) -> dict:
+        path.write_bytes(content)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return store.read_sums_trailer(fd, path.name)
+        finally:
+            os.close(fd)
+
+    with pytest.raises(store.PieceMismatch, match=r"__0_0\.distcp: its table of checksums is not at its end"):
+        table_of(b"x" * 100)
+    with pytest.raises(store.PieceMismatch, match=r"__0_0\.distcp: its table of checksums does not parse"):
+        table_of(b"{not json" + (9).to_bytes(8, "little") + store.SUMS_MAGIC)
+    assert table_of(b"data" + store.sums_trailer([])) == {}

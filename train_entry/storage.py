@@ -12,7 +12,10 @@ train_entry/planned_save.py: planned once per layout) and changes only the bytes
   (train_entry/staging.py) writes the arena's used bytes as one region, in 64 MiB chunks: each chunk is
   checksummed (xxhash releases the GIL) and written (`os.write` releases it), so the persist thread asks for
   the interpreter a few dozen times per gigabyte, not per item. The file is fsynced; its digest goes to the
-  store's manifest (supervisor/store.py) without a second read.
+  store's manifest (supervisor/store.py) without a second read. Each item is also checksummed per PIECE from its
+  start, from the same bytes while they are in the cache, and the file ends with the table of those checksums
+  (store.sums_trailer): a load checks every piece it reads, so a flipped bit that the sizes-only check before a
+  relaunch passed fails the load (the supervisor then sets the checkpoint aside) rather than the weights.
 - rank 0 writes `.metadata` (DCP's Metadata, pickled, with a `RawItem` per item: file, offset, length,
   dtype, shape), fsynced, checksummed too.
 - loading reads each item straight into its destination tensor when the saved shard and the destination
@@ -152,6 +155,10 @@ class RawItem:
     length: int
     dtype: str | None = None  # e.g. "float32"; None for a pickled non-tensor item
     shape: tuple[int, ...] | None = None
+    # Its checksums, per PIECE from its start, are in the table at the end of its file (store.sums_trailer); False
+    # in checkpoints from before those were kept. A constant, unlike the sums: the locations a save sends its
+    # coordinator stay those of the save that planned (train_entry/planned_save.py).
+    summed: bool = False
 
 
 @dataclass(frozen=True)
@@ -273,14 +280,18 @@ class RawWriter(StorageWriter):
         sink = _Sink(self.path / name, direct=direct, reuse=reuse)
         self.reused += sink.reuse
         try:
-            results = self._write_items(sink, name, items)
+            sums: list[tuple[int, int, store.PieceSums]] = []
+            results = self._write_items(sink, name, items, sums)
+            sink.write(memoryview(store.sums_trailer(sums)))
             self.written.append(sink.close())
         except BaseException:
             sink.abort()
             raise
         return results
 
-    def _write_items(self, sink: _Sink, name: str, items: list[tuple[WriteItem, Any]]) -> list[WriteResult]:
+    def _write_items(self, sink: _Sink, name: str, items: list[tuple[WriteItem, Any]],
+                     sums: list[tuple[int, int, store.PieceSums]]) -> list[WriteResult]:
+        """Writes the items, appending each one's (offset, length, checksums) to `sums`."""
         in_arena: list[tuple[WriteItem, int, torch.Tensor]] = []
         others: list[tuple[WriteItem, Any]] = []
         base = self.arena.data_ptr() if self.arena is not None else 0
@@ -302,19 +313,28 @@ class RawWriter(StorageWriter):
             lo = min(off for _, off, _ in in_arena) // PAGE * PAGE
             hi = min(end, -(-max(off + t.numel() * t.element_size() for _, off, t in in_arena) // PAGE) * PAGE)
             region = self.arena[lo:hi]
-            sink.write(as_bytes(region), aligned=_page_aligned(region) and (hi - lo) % PAGE == 0)
-            results += [self._result(item, name, off - lo, t) for item, off, t in in_arena]
+            at = sink.size
+            ranges = [(at + off - lo, t.numel() * t.element_size()) for _, off, t in in_arena]
+            summer = store.PieceSummer(ranges, PIECE)
+            sink.write(as_bytes(region), aligned=_page_aligned(region) and (hi - lo) % PAGE == 0, tap=summer.feed)
+            sums += [(offset, length, s) for (offset, length), s in zip(ranges, summer.sums(), strict=True)]
+            results += [self._result(item, name, offset, t) for (item, _, t), (offset, _) in
+                        zip(in_arena, ranges, strict=True)]
         for item, data in others:
             offset = _align(sink.size)
             sink.pad_to(offset)
             if item.type == WriteItemType.BYTE_IO:
                 raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
-                sink.write(raw)
-                results.append(WriteResult(item.index, len(raw), RawItem(name, offset, len(raw))))
+                summer = store.PieceSummer([(offset, len(raw))], PIECE)
+                sink.write(raw, tap=summer.feed)
+                sums.append((offset, len(raw), summer.sums()[0]))
+                results.append(WriteResult(item.index, len(raw), RawItem(name, offset, len(raw), summed=True)))
             else:
                 t = data if data.device.type == "cpu" else data.cpu()
                 t = t.contiguous()
-                sink.write(as_bytes(t))
+                summer = store.PieceSummer([(offset, t.numel() * t.element_size())], PIECE)
+                sink.write(as_bytes(t), tap=summer.feed)
+                sums.append((offset, t.numel() * t.element_size(), summer.sums()[0]))
                 results.append(self._result(item, name, offset, t))
         return results
 
@@ -322,7 +342,7 @@ class RawWriter(StorageWriter):
     def _result(item: WriteItem, name: str, offset: int, t: torch.Tensor) -> WriteResult:
         length = t.numel() * t.element_size()
         dtype = str(t.dtype).removeprefix("torch.")
-        return WriteResult(item.index, length, RawItem(name, offset, length, dtype, tuple(t.shape)))
+        return WriteResult(item.index, length, RawItem(name, offset, length, dtype, tuple(t.shape), summed=True))
 
 
 class RawReader(StorageReader):
@@ -396,20 +416,37 @@ class RawReader(StorageReader):
         once `reads` has waited for them."""
         slow: list[ReadItem] = []
         landed: list[tuple[ReadItem, torch.Tensor]] = []
+        table = store.read_sums_trailer(f.fileno(), Path(f.name).name) if any(
+            self.storage_data[r.storage_index].summed for r in reqs) else {}
+
+        def sums_of(req: ReadItem, info: RawItem) -> store.PieceSums | None:
+            if not info.summed:
+                return None  # saved before checksums were kept per item
+            found = table.get((info.offset, info.length))
+            if found is None:
+                raise store.PieceMismatch(f"{_what(f, req)}: no checksum is recorded for its bytes "
+                                          f"{info.offset}-{info.offset + info.length} (the file was damaged)")
+            return found
+
         for req in reqs:  # the common case, a same-size relaunch: straight into the destination
             info: RawItem = self.storage_data[req.storage_index]
             target = planner.resolve_tensor(req).detach() if req.type == LoadItemType.TENSOR else None
             if target is not None and _whole(req, info, target):
-                reads.read(f, info.offset, target)
+                reads.read(f, info.offset, target, sums_of(req, info), _what(f, req))
                 landed.append((req, target))
             else:
                 slow.append(req)
+        checked: set[int] = set()  # offsets of the items verified (a resharded load may read one item twice)
         for lo, hi, group in _ranges(slow, self.storage_data):
             buf = bytearray(hi - lo)
             _pread_at(f, lo, memoryview(buf))
             for req in group:
                 info = self.storage_data[req.storage_index]
                 piece = memoryview(buf)[info.offset - lo:info.offset - lo + info.length]
+                sums = sums_of(req, info) if info.offset not in checked else None
+                if sums is not None:
+                    sums.check_all(piece, _what(f, req))
+                    checked.add(info.offset)
                 if req.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(req, io.BytesIO(bytes(piece)))
                     continue
@@ -425,6 +462,10 @@ class RawReader(StorageReader):
                 target.copy_(saved)
                 planner.commit_tensor(req, target)
         return landed
+
+
+def _what(f: Any, req: ReadItem) -> str:
+    return f"{Path(f.name).name} ({req.storage_index.fqn})"
 
 
 def _whole(req: ReadItem, info: RawItem, target: torch.Tensor) -> bool:
@@ -448,8 +489,9 @@ class _Reads:
         self.copied: list[Any] = [None] * READERS  # the CUDA event after each buffer's last copy
         self.turn = 0
 
-    def read(self, f: Any, offset: int, target: torch.Tensor) -> None:
-        """Starts reading `target`'s bytes from `f` at `offset`; they are there after wait()."""
+    def read(self, f: Any, offset: int, target: torch.Tensor, sums: store.PieceSums | None, what: str) -> None:
+        """Starts reading `target`'s bytes from `f` at `offset`, each piece checked against `sums` by the thread
+        that read it (all cores hash, each piece while it is in that core's cache); they are there after wait()."""
         self.pool = self.pool or concurrent.futures.ThreadPoolExecutor(READERS, "resilient-read")
         gpu = target.device.type != "cpu"
         if gpu and not self.buffers:
@@ -457,18 +499,21 @@ class _Reads:
             self.buffers = list(pinned.split(PIECE))
         dst = target.reshape(-1).view(torch.uint8) if gpu else as_bytes(target)
         size = len(dst)
-        for done in range(0, size, PIECE):
-            n = min(PIECE, size - done)
+        step = sums.piece if sums is not None else PIECE
+        assert step <= PIECE, f"{what}: checksummed in pieces of {step} bytes, more than a read's {PIECE}"
+        for k, done in enumerate(range(0, size, step)):
+            n = min(step, size - done)
             if len(self.flight) == READERS:
                 self._land(self.flight.popleft())
             if not gpu:
-                self.flight.append((self.pool.submit(_pread_at, f, offset + done, dst[done:done + n]), None))
+                job = self.pool.submit(_read_piece, f, offset + done, dst[done:done + n], sums, k, what)
+                self.flight.append((job, None))
                 continue
             i, self.turn = self.turn, (self.turn + 1) % READERS
             if self.copied[i] is not None:
                 self.copied[i].synchronize()  # this buffer's last piece has left it
             buf = self.buffers[i][:n]
-            job = self.pool.submit(_pread_at, f, offset + done, as_bytes(buf))
+            job = self.pool.submit(_read_piece, f, offset + done, as_bytes(buf), sums, k, what)
             self.flight.append((job, (i, buf, dst[done:done + n])))
 
     def _land(self, entry: tuple[concurrent.futures.Future[None], Any]) -> None:
@@ -513,6 +558,12 @@ def _ranges(reqs: list[ReadItem], storage: dict[MetadataIndex, Any]) -> list[tup
         else:
             out.append((info.offset, info.offset + info.length, [req]))
     return out
+
+
+def _read_piece(f: Any, offset: int, view: memoryview, sums: store.PieceSums | None, index: int, what: str) -> None:
+    _pread_at(f, offset, view)
+    if sums is not None:
+        sums.check(index, view, what)
 
 
 def _pread_at(f: Any, offset: int, view: memoryview) -> None:
