@@ -118,6 +118,36 @@ def test_nccl_run_survives_two_sigkills_resumes_bitwise_exact_and_verifies(tmp_p
     assert verify.returncode == 0 and doc["verified"] and {c["status"] for c in doc["checkpoints"]} == {"valid"}
 
 
+def test_a_bit_flipped_in_a_shard_is_caught_by_a_load_onto_the_gpu(tmp_path):
+    """The load onto a GPU reads through pinned host buffers, each piece checked against its checksum by the
+    thread that read it, before its copy to the device: a flipped bit that `verify: size` passes fails the load,
+    and the run resumes from the checkpoint before."""
+    from train_entry import storage
+
+    run_dir = tmp_path / "run"
+    sets = (f"nproc_per_node={NPROC}", "checkpoint.interval_steps=10", "checkpoint.verify=size")
+    model = ("--n-layer", "4", "--n-embd", "256", "--batch", "32")
+    with started(run_job(run_dir, *sets, steps=20, sleep=0.0, device="cuda", extra_args=model), tmp_path,
+                 log=tmp_path / "first.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    newest = store.latest_valid(run_dir / "checkpoints")
+    items = storage.RawReader(newest.path).read_metadata().storage_data
+    index, info = max(((i, v) for i, v in items.items() if v.relative_path == "__0_0.distcp"),
+                      key=lambda kv: kv[1].length)
+    with open(newest.path / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)[0]
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes([byte ^ 0x04]))
+    assert newest.step == 20 and store.inspect(newest.path).valid
+    with started(run_job(run_dir, *sets, steps=30, sleep=0.0, device="cuda", extra_args=model), tmp_path,
+                 log=tmp_path / "second.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    history = status(run_dir)["history"][1:]
+    assert [(h["reason"], h["resumed_from_step"]) for h in history] == [("checkpoint_load", 20), ("finished", 10)]
+    assert f"__0_0.distcp ({index.fqn}): bytes" in history[0]["detail"], history[0]["detail"]
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_with_ema_and_stateful_loader_resumes_bitwise_after_two_sigkills(tmp_path, precision):
     """FSDP2's MixedPrecisionPolicy (and fp16's GradScaler), a sharded EMA and the per-rank loader on CUDA: the
