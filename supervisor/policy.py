@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from supervisor import api
@@ -83,12 +84,23 @@ class RestartPolicy:
         """
         self.rendezvous_since = None
         self.failures.append(outcome)
-        set_aside: tuple[int, str] | None = None
+        set_aside: tuple[int, str, bool] | None = None
         if load is not None:
             verdict = self._unloadable(load, outcome)
             if isinstance(verdict, Decision):
                 return verdict
             set_aside = verdict
+        decision = self._after(outcome, newest_valid, older_valid, load, set_aside, progressed)
+        if not decision.relaunch and set_aside is not None and not set_aside[2]:
+            # A checkpoint a full check found corrupt is set aside even when the run stops here (the budget is
+            # spent, say): left in place, it was still "the newest valid" to status and to every rerun.
+            step, why, _ = set_aside
+            return dataclasses.replace(decision, quarantine_step=step, quarantine=why,
+                                       quarantine_local=load is not None and load.local)
+        return decision
+
+    def _after(self, outcome: AttemptOutcome, newest_valid: int | None, older_valid: int | None,
+               load: LoadFailure | None, set_aside: tuple[int, str, bool] | None, progressed: bool) -> Decision:
         self.no_progress = 0 if progressed else self.no_progress + (0 if set_aside else 1)
         if outcome.reason == api.CONFIG:
             return self._stop(f"a configuration or import error, which a restart cannot fix: {outcome.detail}")
@@ -133,8 +145,10 @@ class RestartPolicy:
     def _unloadable(self, load: LoadFailure, outcome: AttemptOutcome) -> Decision | tuple[int, str, bool] | None:
         """Set the checkpoint aside (step, why, only once an older one loads), try it once more (None), or stop
         (a Decision)."""
-        if load.local:  # the durable tier (or an older local copy) is still there: no second try needed
+        if load.local and load.corrupt is not None:  # the durable copy (or an older local one) serves instead
             return load.step, f"{load.corrupt}: {outcome.detail}", False
+        # A whole local copy is no different from a whole durable one: the same bytes fail the same way (the code
+        # changed); it is tried again, then passed over, never set aside as if it were damaged.
         failed = self.load_failures[load.step] = self.load_failures.get(load.step, 0) + 1
         if load.corrupt is not None:
             why = f"{load.corrupt} (a full check after the ranks failed to load it)"
@@ -153,8 +167,10 @@ class RestartPolicy:
                                   "to start from step 0")
             return load.step, f"every byte checks, but the ranks failed to load it twice: {outcome.detail}", True
         if load.older_valid is None:
-            return self._stop(f"checkpoint step {load.step} cannot be used ({why}: {outcome.detail}) and no older "
-                              f"valid checkpoint exists; move it aside to start from step 0")
+            return dataclasses.replace(
+                self._stop(f"checkpoint step {load.step} cannot be used ({why}: {outcome.detail}) and no older "
+                           "valid checkpoint exists: it is set aside, and `resilient run` again starts from step 0"),
+                quarantine_step=load.step, quarantine=f"{why}: {outcome.detail}")
         return load.step, f"{why}: {outcome.detail}", False
 
     @staticmethod

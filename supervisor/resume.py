@@ -60,10 +60,12 @@ class ResumeChooser:
         self.local_step: int | None = None  # the local tier's newest valid step, offered beside the durable choice
         # A whole checkpoint the ranks failed to load twice: passed over, set aside once an older one loads.
         self.suspect: tuple[int, str] | None = None
+        self.set_aside_now: list[str] = []  # the folders the last choice set aside, as they are now named
 
     def choose(self, below: int | None) -> ResumeChoice:
         """The newest valid checkpoint; a committed one found corrupt on the way is set aside for good (a
         rerun must not trip over it again), the older ones are left to retention."""
+        self.set_aside_now = []
         why = None
         if self.suspect is not None:
             below = min(below, self.suspect[0]) if below is not None else self.suspect[0]
@@ -81,6 +83,7 @@ class ResumeChooser:
         for info in choice.corrupt:
             moved = self.quarantine(info.path, f"{info.reason} (found before attempt {self._next_attempt()})")
             if moved is not None:
+                self.set_aside_now.append(moved.name if root == self.ckpt.dir else f"{moved.name} (local)")
                 choice.skipped = [(n, f"{w}; set aside as {moved.name}" if n == info.path.name else w)
                                   for n, w in choice.skipped]
         return choice
@@ -111,16 +114,20 @@ class ResumeChooser:
         step = outcome.checkpoint_step if outcome.checkpoint_step is not None else choice.step
         if step is None:
             return None
-        if outcome.checkpoint_tier == "local" and self.local_root is not None:
-            return LoadFailure(step, "the ranks could not load this node's local copy", None, local=True)
-        path = self.ckpt.dir / store.step_dirname(step)
-        self.console.event(f"checking every byte of {path.name}, which the ranks could not load", style="yellow")
+        local = outcome.checkpoint_tier == "local" and self.local_root is not None
+        root = self.local_root if local and self.local_root is not None else self.ckpt.dir
+        path = root / store.step_dirname(step)
+        tier = "this node's local copy of " if local else ""
+        self.console.event(f"checking every byte of {tier}{path.name}, which the ranks could not load",
+                           style="yellow")
         info = store.inspect(path, deep=True) if path.is_dir() else None
-        older = store.latest_valid(self.ckpt.dir, below=step)
+        older = max((i.step for i in (store.latest_valid(self.ckpt.dir, below=step),
+                                      store.latest_valid(self.local_root, below=step) if self.local_root else None)
+                     if i is not None), default=None)
         # Unreadable here says nothing of its bytes: it is set aside only as whole yet failing to load twice.
         whole = info is not None and (info.valid or info.status is store.Status.UNREADABLE)
         corrupt = None if whole else (info.reason if info else "the folder is gone")
-        return LoadFailure(step, corrupt, older.step if older else None)
+        return LoadFailure(step, corrupt, older, local=local)
 
     def set_aside(self, decision: Decision) -> None:
         """What a relaunch decision says to set aside: now, or (a whole checkpoint that failed to load twice)

@@ -161,6 +161,8 @@ class Supervisor:
             if self._stop_signal is not None:
                 return self._stopped(None)
             choice = self.resume.choose(below)
+            if choice.step is None and self.resume.local_step is None and self.resume.set_aside_now:
+                return self._all_damaged(self.resume.set_aside_now)
             if first:  # after the choice has set aside what it found corrupt: never trim good ones for those
                 self._retain_at_start(choice.step)
                 first = False
@@ -177,6 +179,7 @@ class Supervisor:
                 return self._stopped(outcome)
             decision = self._decide(outcome, choice)
             if not decision.relaunch:
+                self.resume.set_aside(decision)  # a checkpoint found corrupt, even as the run stops
                 return self._failed(decision.message, outcome, spec)
             if self._stop_signal is not None:  # the stop came with the failure: no restart to announce or count
                 self.resume.set_aside(decision)
@@ -471,6 +474,18 @@ class Supervisor:
         self.record.message = (f"resilient stopped the run: the run dir cannot be written ({why}). Free space "
                                "there (or make it writable); `resilient run` again resumes from the newest "
                                "valid checkpoint.")
+        self._transition(RunState.FAILED)
+        self.console.paragraph(self.record.message)
+        return ExitCode.FAILED
+
+    def _all_damaged(self, names: list[str]) -> int:
+        """The check before a launch has just set aside every checkpoint left: the run stops, as when the ranks
+        find the last one damaged, rather than retrain from step 0 unasked and report success."""
+        self._settle()
+        self.record.message = (
+            f"resilient stopped the run: every checkpoint left was damaged and is set aside ({', '.join(names)}; "
+            f"never deleted): nothing valid remains to resume from. `resilient run` again starts from step 0; "
+            f"to resume instead, put an intact copy back under {self.cfg.checkpoint.dir}.")
         self._transition(RunState.FAILED)
         self.console.paragraph(self.record.message)
         return ExitCode.FAILED

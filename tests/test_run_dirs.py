@@ -18,7 +18,7 @@ import pytest
 from supervisor import state, store
 from supervisor.lock import RunLock
 from supervisor.replicate import ROOT_LOCK
-from tests.ckpt_helpers import write_checkpoint
+from tests.ckpt_helpers import flip_byte, write_checkpoint
 from tests.proc import REPO, child_env, readonly, started, wait_for
 from tests.runs import RUN_TIMEOUT, finished_attempt, resilient, run_job, status
 
@@ -645,3 +645,26 @@ def test_follow_and_watch_wait_for_a_run_dir_still_to_be_made(finished_run, tmp_
     assert out.count("waiting for it") == 1, out
     shown = "attempt 1 hello from rank 1" if command[0] == "logs" else '"state": "succeeded"'
     assert shown in out, out
+
+
+def test_a_relaunch_check_that_sets_aside_every_checkpoint_stops_the_run_and_a_rerun_starts_over(
+        finished_run, cli, monkeypatch, tmp_path):
+    """Audit: with every checkpoint damaged, a check before the launch set them all aside and the run retrained
+    from step 0 unasked, exit 0, while the ranks finding the last one damaged stopped the run (exit 1). Both
+    stop now; running again is the user's decision to start over."""
+    run_dir = finished_run()
+    root = run_dir / "checkpoints"
+    for path in store.checkpoint_dirs(root):
+        flip_byte(path / ".metadata", 3)
+    launched = []
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: lambda *a: launched.append(a))
+    r = cli("run", tmp_path / "run.yaml", "--run-dir", run_dir)
+    assert r.exit_code == 1 and not launched, r.output
+    assert "every checkpoint left was damaged and is set aside (step_000000060.quarantined, " \
+           "step_000000040.quarantined, step_000000020.quarantined; never deleted)" in " ".join(r.output.split())
+    assert sorted(p.name for p in root.glob("step_*")) == [f"step_0000000{s}.quarantined" for s in (20, 40, 60)]
+    doc = json.loads((run_dir / "state.json").read_text())
+    assert doc["state"] == "failed" and "starts from step 0" in doc["message"]
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", finished_attempt)
+    r = cli("run", tmp_path / "run.yaml", "--run-dir", run_dir)
+    assert r.exit_code == 0 and "starting fresh" in r.output, r.output

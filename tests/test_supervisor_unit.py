@@ -592,11 +592,35 @@ def test_a_whole_checkpoint_is_retried_once_set_aside_after_two_failures_and_onl
     assert "as step 40 did before it" in stop.message and "both are left where they are" in stop.message
 
 
-def test_a_bad_checkpoint_stops_the_run_only_when_nothing_older_is_valid():
+def test_a_bad_checkpoint_stops_the_run_only_when_nothing_older_is_valid_and_is_set_aside_all_the_same():
     p = RestartPolicy(RestartConfig(backoff_s=0))
     d = p.decide(load_failed(20), progressed=False, newest_valid=20, older_valid=None,
                  load=LoadFailure(20, "__0_0.distcp checksum mismatch", older_valid=None))
-    assert not d.relaunch and d.quarantine_step is None and "no older valid checkpoint" in d.message
+    assert not d.relaunch and d.quarantine_step == 20 and "no older valid checkpoint" in d.message
+    assert "starts from step 0" in d.message and "checksum mismatch" in d.quarantine
+
+
+def test_a_checkpoint_found_corrupt_is_set_aside_even_when_the_restart_budget_stops_the_run():
+    """Audit: with the budget spent, the corrupt checkpoint stayed in place, 'the newest valid' to status and to
+    every rerun, which failed on it again and never reached the good older ones."""
+    p = RestartPolicy(RestartConfig(backoff_s=0, max_restarts=0))
+    d = p.decide(load_failed(30), progressed=False, newest_valid=30, older_valid=20,
+                 load=LoadFailure(30, "__0_0.distcp checksum mismatch", older_valid=20))
+    assert not d.relaunch and "restart budget is spent" in d.message
+    assert d.quarantine_step == 30 and not d.quarantine_once_older_loads and not d.quarantine_local
+
+
+def test_a_whole_local_copy_that_fails_to_load_is_tried_again_then_passed_over_never_set_aside_as_damaged():
+    """Audit: after a model change, byte-perfect local copies were set aside (and listed as corrupt) at once."""
+    p = RestartPolicy(RestartConfig(backoff_s=0))
+    whole = LoadFailure(30, None, older_valid=20, local=True)
+    first = p.decide(load_failed(30), progressed=False, newest_valid=30, older_valid=20, load=whole)
+    assert first.relaunch and first.quarantine_step is None
+    second = p.decide(load_failed(30), progressed=False, newest_valid=30, older_valid=20, load=whole)
+    assert second.relaunch and second.quarantine_step == 30 and second.quarantine_once_older_loads
+    damaged = p.decide(load_failed(20), progressed=False, newest_valid=20, older_valid=10,
+                       load=LoadFailure(20, "__0_0.distcp checksum mismatch", older_valid=None, local=True))
+    assert damaged.relaunch and damaged.quarantine_step == 20 and damaged.quarantine_local
 
 
 def test_classify_a_rank_that_could_not_load_its_checkpoint():
