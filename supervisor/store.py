@@ -164,8 +164,8 @@ class PieceSums:
         h.update(view)
         if index >= len(self.digests) or h.digest() != self.digests[index]:
             start = index * self.piece
-            raise PieceMismatch(f"{what}: bytes {start}-{start + len(view)} do not match the checksum recorded "
-                                "when they were saved (the file was damaged since)")
+            raise PieceMismatch(f"{what}: its bytes {start}-{start + len(view)} do not match the checksum "
+                                "recorded when they were saved (the file was damaged since)")
 
     def check_all(self, view: memoryview | bytes, what: str) -> None:
         for i, start in enumerate(range(0, max(len(view), 1), self.piece)):
@@ -198,14 +198,18 @@ def read_sums_trailer(fd: int, name: str) -> dict[tuple[int, int], PieceSums]:
     try:
         doc = json.loads(os.pread(fd, length, size - 16 - length))
         algorithm, piece, out = doc["algorithm"], doc["piece"], {}
+        if type(piece) is not int or (piece <= 0 and doc["items"]):  # an empty table has no piece size
+            raise ValueError(f"piece {piece!r}")
+        _hasher(algorithm)  # ValueError for a name that is none
         for offset, n, digests in doc["items"]:
             raw = bytes.fromhex(digests)
             count = max(1, -(-n // piece))
             width = len(raw) // count
             out[(offset, n)] = PieceSums(algorithm, piece, tuple(raw[k:k + width] for k in range(0, len(raw), width)))
         return out
-    except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:
-        raise PieceMismatch(f"{name}: its table of checksums does not parse ({e}): the file was damaged") from None
+    except (ValueError, KeyError, TypeError, UnsupportedChecksum) as e:
+        raise PieceMismatch(f"{name}: its table of checksums does not parse ({e}): the file was damaged, or "
+                            "written by a newer resilient") from None
 
 
 class PieceSummer:

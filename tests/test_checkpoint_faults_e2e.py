@@ -91,7 +91,7 @@ def test_a_bit_flipped_inside_a_large_shard_passes_the_size_check_and_is_caught_
     console = finish(run_job(run_dir, every_10, steps=30, sleep=0.0, extra_args=wide), tmp_path, "second.log")
     history = status(run_dir)["history"][1:]
     assert [(h["reason"], h["resumed_from_step"]) for h in history] == [("checkpoint_load", 20), ("finished", 10)]
-    assert f"__1_0.distcp ({index.fqn}): bytes" in history[0]["detail"]
+    assert f"__1_0.distcp ({index.fqn}, from byte {info.offset} of the file): its bytes" in history[0]["detail"]
     assert "do not match the checksum recorded when they were saved" in history[0]["detail"]
     assert f"set {newest.path.name} aside as {newest.path.name}.quarantined: __1_0.distcp checksum mismatch" \
            in console, console[-3000:]

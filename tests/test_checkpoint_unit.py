@@ -319,8 +319,9 @@ def test_a_byte_flipped_in_any_saved_item_stops_the_load_naming_the_file_and_the
                 byte = f.read(1)
                 f.seek(at)
                 f.write(bytes([byte[0] ^ 0x10]))
-            with pytest.raises(CheckpointException, match=f"{info.relative_path} \\({index.fqn}\\): bytes "
-                               r"\d+-\d+ do not match the checksum recorded when they were saved"):
+            with pytest.raises(CheckpointException, match=f"{info.relative_path} \\({index.fqn}, from byte "
+                               f"{info.offset} of the file\\): its bytes \\d+-\\d+ do not match the checksum "
+                               "recorded when they were saved"):
                 ckpt.load(damaged, template)
     assert_equal(ckpt.load(saved, lambda keys: transposed()), state(ctx))
 

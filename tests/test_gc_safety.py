@@ -235,10 +235,13 @@ def test_gc_verify_keeps_an_older_whole_checkpoint_when_the_newest_has_a_flipped
     monkeypatch.setattr(store, "inspect", inspect)
     doc = json.loads(cli("gc", root, "--keep", "1", "--dry-run", "--json").stdout)
     assert doc["kept"] == [2] and [x["step"] for x in doc["removed"]] == [1]  # what the default would do
+    assert doc["verified"] is False  # and it says it judged by sizes (audit: it said "valid" and nothing more)
+    assert "kept valid steps: 2 (sizes checked; --verify reads every byte)" in cli("gc", root, "--keep", "1",
+                                                                                   "--dry-run").output
     r = cli("gc", root, "--keep", "1", "--verify", "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert doc["kept"] == [1] and [x["step"] for x in doc["removed"]] == [2], doc
+    assert doc["kept"] == [1] and [x["step"] for x in doc["removed"]] == [2] and doc["verified"], doc
     assert "checksum mismatch" in doc["removed"][0]["why"]
     assert store.inspect(root / store.step_dirname(1), deep=True).valid
     assert read_under_lock == []

@@ -145,7 +145,7 @@ def test_a_bit_flipped_in_a_shard_is_caught_by_a_load_onto_the_gpu(tmp_path):
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
     history = status(run_dir)["history"][1:]
     assert [(h["reason"], h["resumed_from_step"]) for h in history] == [("checkpoint_load", 20), ("finished", 10)]
-    assert f"__0_0.distcp ({index.fqn}): bytes" in history[0]["detail"], history[0]["detail"]
+    assert f"__0_0.distcp ({index.fqn}, from byte {info.offset} of the file): its bytes" in history[0]["detail"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -409,7 +409,7 @@ def test_piece_sums_built_from_a_stream_fed_in_any_blocks_match_each_items_own_p
             at = rng.randrange(length)
             bad = bytearray(own)
             bad[at] ^= 1
-            with pytest.raises(store.PieceMismatch, match=f"item: bytes {at // piece * piece}-"):
+            with pytest.raises(store.PieceMismatch, match=f"item: its bytes {at // piece * piece}-"):
                 s.check_all(bytes(bad), "item")
 
 
@@ -429,3 +429,9 @@ def test_a_data_file_without_its_table_of_checksums_says_so(tmp_path):
     with pytest.raises(store.PieceMismatch, match=r"__0_0\.distcp: its table of checksums does not parse"):
         table_of(b"{not json" + (9).to_bytes(8, "little") + store.SUMS_MAGIC)
     assert table_of(b"data" + store.sums_trailer([])) == {}
+    whole = store.sums_trailer([(0, 4, store.PieceSums(store.CHECKSUM_ALGORITHM, 64, (b"0123456789abcdef",)))])
+    assert table_of(b"data" + whole)[(0, 4)].piece == 64
+    for good, bad in ((b'"piece":64', b'"piece":0,'), (b'"piece":64', b'"piece":"x"'),
+                      (b'"xxh3_128"', b'"xxh3_129"')):  # the same length: only the field is damaged
+        with pytest.raises(store.PieceMismatch, match=r"its table of checksums does not parse .*the file was damaged"):
+            table_of(b"data" + whole.replace(good, bad))

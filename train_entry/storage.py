@@ -424,15 +424,15 @@ class RawReader(StorageReader):
                 return None  # saved before checksums were kept per item
             found = table.get((info.offset, info.length))
             if found is None:
-                raise store.PieceMismatch(f"{_what(f, req)}: no checksum is recorded for its bytes "
-                                          f"{info.offset}-{info.offset + info.length} (the file was damaged)")
+                raise store.PieceMismatch(f"{_what(f, req, info)}: its file's table of checksums has no entry for "
+                                          "it (the table was damaged)")
             return found
 
         for req in reqs:  # the common case, a same-size relaunch: straight into the destination
             info: RawItem = self.storage_data[req.storage_index]
             target = planner.resolve_tensor(req).detach() if req.type == LoadItemType.TENSOR else None
             if target is not None and _whole(req, info, target):
-                reads.read(f, info.offset, target, sums_of(req, info), _what(f, req))
+                reads.read(f, info.offset, target, sums_of(req, info), _what(f, req, info))
                 landed.append((req, target))
             else:
                 slow.append(req)
@@ -445,7 +445,7 @@ class RawReader(StorageReader):
                 piece = memoryview(buf)[info.offset - lo:info.offset - lo + info.length]
                 sums = sums_of(req, info) if info.offset not in checked else None
                 if sums is not None:
-                    sums.check_all(piece, _what(f, req))
+                    sums.check_all(piece, _what(f, req, info))
                     checked.add(info.offset)
                 if req.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(req, io.BytesIO(bytes(piece)))
@@ -464,8 +464,9 @@ class RawReader(StorageReader):
         return landed
 
 
-def _what(f: Any, req: ReadItem) -> str:
-    return f"{Path(f.name).name} ({req.storage_index.fqn})"
+def _what(f: Any, req: ReadItem, info: RawItem) -> str:
+    """Names an item for a message: its file, its name, where it starts in the file."""
+    return f"{Path(f.name).name} ({req.storage_index.fqn}, from byte {info.offset} of the file)"
 
 
 def _whole(req: ReadItem, info: RawItem, target: torch.Tensor) -> bool:
@@ -500,7 +501,9 @@ class _Reads:
         dst = target.reshape(-1).view(torch.uint8) if gpu else as_bytes(target)
         size = len(dst)
         step = sums.piece if sums is not None else PIECE
-        assert step <= PIECE, f"{what}: checksummed in pieces of {step} bytes, more than a read's {PIECE}"
+        if step > PIECE:
+            raise store.PieceMismatch(f"{what}: its checksums are kept per {step} bytes, more than this reader's "
+                                      f"{PIECE}: its file's table was damaged, or written by a newer resilient")
         for k, done in enumerate(range(0, size, step)):
             n = min(step, size - done)
             if len(self.flight) == READERS:

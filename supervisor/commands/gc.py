@@ -32,6 +32,7 @@ class GcResult:
     dry_run: bool
     applied: retention.Applied | None  # None for a dry run
     local: list[tuple[str, GcResult]] = field(default_factory=list)  # each node-local tier's own result
+    verified: bool = False  # --verify: the kept ones were read to the last byte; otherwise their sizes checked
 
     @property
     def removed(self) -> list[retention.Removal]:
@@ -58,6 +59,7 @@ class GcResult:
             "spared": [{"step": c.step, "path": str(c.path), "why": why} for c, why in self.plan.spared],
             "freed_bytes": self.freed_bytes,
             "dry_run": self.dry_run,
+            "verified": self.verified,
         }
         if self.failed:
             doc["failed"] = [{**r.to_dict(), "why": why} for r, why in self.failed]
@@ -75,7 +77,8 @@ class GcResult:
         for c, why in self.plan.spared:
             render.out.print(f"kept {c.path.name}: {why}", markup=False)
         kept = ", ".join(str(c.step) for c in self.plan.kept) or "none"
-        line = (f"kept valid steps: {kept}; {'would free' if self.dry_run else 'freed'} "
+        how = "" if self.verified or not self.plan.kept else " (sizes checked; --verify reads every byte)"
+        line = (f"kept valid steps: {kept}{how}; {'would free' if self.dry_run else 'freed'} "
                 f"{render.human_bytes(self.freed_bytes)}")
         if self.failed:
             line += f"; {len(self.failed)} folder(s) could not be removed"
@@ -205,7 +208,7 @@ def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_
                 raise UsageError(f"{folder}: cannot delete there ({problem}); nothing was removed. "
                                  "Make it writable (remount it read-write) and run gc again.")
         applied = retention.apply(plan)
-    result = GcResult(t.checkpoint_root, plan, dry_run, applied)
+    result = GcResult(t.checkpoint_root, plan, dry_run, applied, verified=deep is not None)
     if not as_json:
         result.render()
     for node, lroot, lplan in local:  # each tier named before anything in it is deleted
@@ -215,7 +218,8 @@ def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_
         elif not layout.inside(lroot, t.run_dir):  # type: ignore[arg-type]  # local tiers come from a run dir
             render.err.print(f"resilient: {header} (outside the run dir, as its state records it)", markup=False,
                              soft_wrap=True)
-        lresult = GcResult(lroot, lplan, dry_run, None if dry_run else retention.apply(lplan))
+        lresult = GcResult(lroot, lplan, dry_run, None if dry_run else retention.apply(lplan),
+                           verified=deep is not None)
         result.local.append((node, lresult))
         if not as_json:
             lresult.render()
