@@ -187,6 +187,12 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
     if code == EXIT_CHECKPOINT_LOAD:
         hb = heartbeats.get(rank)
         why = (hb.exit_reason if hb and hb.exit_reason else _last_line(log_text)).removeprefix("checkpoint_load: ")
+        # DCP raises one rank's read error on every rank ("step 30: rank 1: PieceMismatch: ..."): the rank that
+        # read the bad bytes is the one to name, and to look at, when it is one of this node's.
+        culprit = re.match(r"(step \d+: )rank (\d+): (.*)", why, re.S)
+        if culprit and int(culprit.group(2)) in heartbeats:
+            rank, where = int(culprit.group(2)), f"rank {culprit.group(2)}"
+            why = culprit.group(1) + culprit.group(3)
         return AttemptOutcome(api.CHECKPOINT_LOAD, f"{where} could not load the checkpoint: {why}", rank, code, step,
                               checkpoint_step=hb.loading_step if hb else None,
                               checkpoint_tier=hb.loading_tier if hb else None)

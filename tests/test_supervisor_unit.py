@@ -631,6 +631,19 @@ def test_classify_a_rank_that_could_not_load_its_checkpoint():
     assert "could not load the checkpoint: step 40: UnpicklingError" in out.detail
 
 
+def test_a_load_failure_names_the_rank_that_read_the_bad_bytes_not_the_first_to_relay_it():
+    """Audit: DCP raises one rank's read error on every rank; the first to exit (here rank 1) was named, with its
+    log, for bytes rank 0 read."""
+    why = "checkpoint_load: step 30: rank 0: PieceMismatch: __0_0.distcp (w, from byte 0 of the file): its bytes"
+    beats = {r: hb(r, exit_code=EXIT_CHECKPOINT_LOAD, loading_step=30, exit_reason=why) for r in (0, 1)}
+    out = classify.classify(1, summary(rank=1, code=EXIT_CHECKPOINT_LOAD, sig=""), beats)
+    assert out.failed_rank == 0 and out.detail.startswith("rank 0 could not load the checkpoint: step 30: "
+                                                          "PieceMismatch: __0_0.distcp"), out.detail
+    beats = {1: beats[1]}  # the reader is another node's rank: this node's relay is named, the reader's number kept
+    out = classify.classify(1, summary(rank=1, code=EXIT_CHECKPOINT_LOAD, sig=""), beats)
+    assert out.failed_rank == 1 and "step 30: rank 0: PieceMismatch" in out.detail
+
+
 def test_run_restores_the_callers_signal_handlers(tmp_path, cli, monkeypatch):
     import signal
 
