@@ -69,6 +69,10 @@ QUARANTINE_FILE = "QUARANTINE.json"
 # Files this small are checksummed by every check, not only a deep one: reading them costs nothing, and
 # DCP's .metadata (a few KB to MB) is read first by every load, so one flipped byte there fails every rank.
 SMALL_FILE_BYTES = 1 << 20
+# Files that a file browser or a network filesystem leaves in any folder it touches (macOS's .DS_Store and ._
+# AppleDouble files, NFS's .nfsXXXX silly renames, Windows' Thumbs.db): beside a committed checkpoint they say
+# nothing of its bytes, and counting them as unlisted set whole checkpoints aside (audit). Never DCP's names.
+OS_LITTER = re.compile(r"^(\.DS_Store|\._.+|\.nfs[0-9A-Fa-f]+|Thumbs\.db)$")
 CHECKSUM_ALGORITHM = "xxh3_128"  # fastest measured here: bench/checksums.py
 CHUNK = 8 << 20
 
@@ -685,7 +689,8 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
             how = "truncated" if st.st_size < f.size else "grown"
             return result(Status.CORRUPT, f"{f.name} is {st.st_size} bytes, manifest says {f.size} ({how})",
                           manifest)
-    unlisted = sorted(set(entries) - listed - {MARKER})
+    unlisted = sorted(n for n in set(entries) - listed - {MARKER}
+                      if not (OS_LITTER.match(n) and stat.S_ISREG(entries[n].st_mode)))
     if unlisted:
         return result(Status.CORRUPT, f"unlisted file {unlisted[0]}" +
                       (f" and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""), manifest)

@@ -38,6 +38,17 @@ def test_commit_writes_manifest_last_and_publishes_folder(tmp_path):
     assert info.status is Status.VALID, info.reason
 
 
+def test_files_a_file_browser_or_nfs_leaves_beside_a_checkpoint_do_not_make_it_corrupt(tmp_path):
+    final = write_checkpoint(tmp_path, 10)
+    for name in (".DS_Store", "._.metadata", ".nfs000000000123abcd00000001", "Thumbs.db"):
+        (final / name).write_bytes(b"x")
+    assert store.inspect(final, deep=True).valid
+    (final / ".nfs").write_bytes(b"x")  # not an NFS silly rename, and a folder is never litter
+    (final / "._dir").mkdir()
+    info = store.inspect(final)
+    assert info.status is Status.CORRUPT and info.reason == "unlisted file ._dir and 1 more"
+
+
 def test_commit_refuses_unlisted_or_short_files(tmp_path):
     partial = store.begin(tmp_path, 5)
     (partial.path / "a").write_bytes(b"xxxx")
