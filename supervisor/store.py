@@ -512,7 +512,7 @@ def publish(partial: Path, step: int, world_size: int, records: Sequence[FileRec
     for r in records:
         if present.get(r.name) != r.size:
             raise RuntimeError(f"{r.name}: on disk {present.get(r.name)} bytes, record says {r.size}")
-    if unlisted := sorted(set(present) - names):
+    if unlisted := sorted(n for n in set(present) - names if not OS_LITTER.match(n)):  # as inspect() judges
         raise RuntimeError(f"unlisted files in the save folder: {', '.join(unlisted)}")
     manifest = Manifest(step=step, world_size=world_size, created_at=time.time(),
                         files=tuple(sorted(records, key=lambda r: r.name)),
