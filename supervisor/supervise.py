@@ -293,13 +293,14 @@ class Supervisor:
         if logged is not None:
             outcome.step = self.record.step = logged
         rec.reason, rec.detail, rec.failed_rank = outcome.reason, outcome.detail, outcome.failed_rank
-        rec.exit_code, rec.step_at_failure = outcome.exit_code, None if outcome.reason == api.FINISHED else outcome.step
+        # A rank's heartbeat says step 0 until it has loaded: "at step 0" after a resume from 150 misled.
+        stepped = outcome.step is not None and (outcome.step > 0 or rec.first_step_at is not None)
+        rec.exit_code = outcome.exit_code
+        rec.step_at_failure = outcome.step if stepped and outcome.reason != api.FINISHED else None
         newest = self.resume.newest_step()  # authoritative, even if the step log lagged
         self.record.last_checkpoint_step = rec.last_checkpoint_step = newest
         self.save_state()
         if outcome.reason not in (api.FINISHED, api.STOPPED):
-            # A rank's heartbeat says step 0 until it has loaded: "at step 0" after a resume from 150 misled.
-            stepped = outcome.step is not None and (outcome.step > 0 or rec.first_step_at is not None)
             where = f" at step {outcome.step}" if stepped else " before its first step"
             self.console.event(f"attempt {rec.attempt} failed{where}: {outcome.reason} — {outcome.detail}",
                                style="red")
@@ -494,10 +495,11 @@ class Supervisor:
         self._settle()
         newest = store.latest_valid(self.cfg.checkpoint.dir)
         look = outcome.log_hint or str(spec.logs_dir)
+        at = self.record.history[-1].step_at_failure if self.record.history else outcome.step
         rank_hint = f" (rank {outcome.failed_rank}'s stderr.log under it)" if outcome.failed_rank is not None else ""
         self.record.message = (
             f"resilient stopped the run: {why}. Attempt {spec.attempt} ended "
-            f"{'before its first step' if outcome.step is None else f'at step {outcome.step}'}; "
+            f"{'before its first step' if at is None else f'at step {at}'}; "
             f"the newest valid checkpoint is {('step ' + str(newest.step)) if newest else 'none'}. "
             f"Look at {look}{rank_hint}, and `resilient status {self.cfg.run_dir}` for the history.")
         self._transition(RunState.FAILED)
