@@ -81,7 +81,9 @@ class ResumeChooser:
     def _choose_in(self, root: Path, below: int | None, below_why: str | None) -> ResumeChoice:
         choice = choose_resume(root, self.ckpt.verify, below, below_why)
         for info in choice.corrupt:
-            moved = self.quarantine(info.path, f"{info.reason} (found before attempt {self._next_attempt()})")
+            # said once, by the attempt's "skipping <folder>: <why>; set aside as <name>" line
+            moved = self.quarantine(info.path, f"{info.reason} (found before attempt {self._next_attempt()})",
+                                    say=False)
             if moved is not None:
                 self.set_aside_now.append(moved.name if root == self.ckpt.dir else f"{moved.name} (local)")
                 choice.skipped = [(n, f"{w}; set aside as {moved.name}" if n == info.path.name else w)
@@ -149,13 +151,14 @@ class ResumeChooser:
         if step is not None and step < suspect:  # an older one loads where it did not
             self.quarantine(self.ckpt.dir / store.step_dirname(suspect), f"{why}; step {step} loads")
 
-    def quarantine(self, path: Path, reason: str) -> Path | None:
+    def quarantine(self, path: Path, reason: str, say: bool = True) -> Path | None:
         """Rename a checkpoint aside with its reason (never delete it); None if another node did it first."""
         try:
             moved = store.quarantine(path, reason)
         except OSError as e:
             self.console.event(f"could not set {path.name} aside ({e.strerror}); it stays where it is", style="red")
             return None
-        self.console.event(f"set {path.name} aside as {moved.name}: {reason}", style="yellow")
+        if say:
+            self.console.event(f"set {path.name} aside as {moved.name}: {reason}", style="yellow")
         self._quarantined({"step": int(path.name[5:14]), "path": moved.name, "reason": reason, "at": time.time()})
         return moved
