@@ -65,6 +65,7 @@ class Supervisor:
         self._launched_at: float | None = None  # when the current attempt began (self.clock())
         self._blocking: dict[int, float] = {}
         self._announced: set[tuple[int, int]] = set()  # (attempt, step): a rollback's attempt commits a step again
+        self._owned: set[tuple[int, int]] = set()  # those whose commit record this node's rank 0 logged
         self._inspected = store.InspectCache()  # retention scans the root at every commit
         self.record = self._load_record()
         self.accounting = Accounting.from_dict(self.record.accounting.get("ledger"), last_seen=self._prev_updated_at)
@@ -347,27 +348,27 @@ class Supervisor:
 
     def on_checkpoint(self, commit: CommitRecord, mine: bool) -> None:
         """A new valid checkpoint: announce it once; the node whose rank 0 committed it applies retention."""
-        if (self.record.attempt, commit.step) in self._announced:
+        key = (self.record.attempt, commit.step)
+        if key in self._announced:
+            if mine and key not in self._owned:  # the disk scan saw the folder before rank 0 logged its commit
+                self._owned.add(key)
+                if removed := self._own(commit):
+                    self.console.event(f"after checkpoint step {commit.step}: {removed.removeprefix('; ')}")
             return
-        self._announced.add((self.record.attempt, commit.step))
+        self._announced.add(key)
+        if mine:
+            self._owned.add(key)
         self.record.last_checkpoint_step = commit.step
-        removed = ""
         if self.replicator is not None:  # a local commit: the replicator copies it and keeps both tiers' retention
             if mine:
-                self.replicator.notify(commit.step)
+                self._own(commit)
                 blocked = self._blocking.pop(commit.step, None)
                 how = f"training blocked {blocked:.3f}s, " if blocked is not None else ""
                 self.console.event(f"checkpoint step {commit.step} committed to the local tier ({how}"
                                    f"{commit.bytes / 1e6:.1f} MB in {commit.persist_s:.2f}s)")
             self.save_state()
             return
-        # Judged as of this commit: a newer one already on disk (fast steps) is its own line's to count, or this
-        # line's "removed" would read as if fewer than `keep` were left.
-        done = self._keep(lambda info: info.step <= commit.step) if mine else None
-        if done is not None:
-            if done.removed:
-                removed = "; removed " + ", ".join(r.path.name for r in done.removed)
-            removed += "".join(f"; could not remove {r.path.name}: {why}" for r, why in done.failed)
+        removed = self._own(commit) if mine else ""
         blocked = self._blocking.pop(commit.step, None)
         how = f"training blocked {blocked:.3f}s, " if blocked is not None else ""
         found = " (committed by rank 0 on another node)" if self.cfg.nnodes != "1" else " (found on disk)"
@@ -375,6 +376,21 @@ class Supervisor:
         self.console.event(f"checkpoint step {commit.step} committed ({how}{commit.bytes / 1e6:.1f} MB{took})"
                            f"{removed}")
         self.save_state()
+
+    def _own(self, commit: CommitRecord) -> str:
+        """What the node whose rank 0 committed a checkpoint does: the replicator copies it (and keeps both tiers'
+        retention); without one, retention is applied here, judged as of this commit (a newer one already on
+        disk, with fast steps, is its own line's to count, or this one's "removed" would read as if fewer than
+        `keep` were left). Returns what retention did, for the commit's line. Missed once: the disk scan announced
+        the commit first, and a run kept one checkpoint more than `keep` (a flaky test found it)."""
+        if self.replicator is not None:
+            self.replicator.notify(commit.step)
+            return ""
+        done = self._keep(lambda info: info.step <= commit.step)
+        if done is None:
+            return ""
+        removed = "; removed " + ", ".join(r.path.name for r in done.removed) if done.removed else ""
+        return removed + "".join(f"; could not remove {r.path.name}: {why}" for r, why in done.failed)
 
     def on_tick(self) -> None:
         self.save_state(force=False)

@@ -979,6 +979,33 @@ def test_retention_at_a_commit_judges_the_checkpoints_up_to_that_commit(tmp_path
     assert sorted(p.name for p in cfg.checkpoint.dir.glob("step_*")) == ["step_000000100", "step_000000125"]
 
 
+def test_retention_still_runs_when_the_disk_scan_announced_the_commit_before_rank_0_logged_it(tmp_path, capsys):
+    """Under load the supervisor's scan of the root saw step 80 before rank 0's commit record arrived: the record
+    was then taken as already announced, and retention never ran (a run kept 20, 40, 60 and 80 with keep 3)."""
+    from supervisor.config import load_job
+    from supervisor.console import EventConsole
+    from supervisor.layout import RunLayout
+    from supervisor.protocol import CommitRecord
+    from supervisor.supervise import Supervisor
+    from tests.ckpt_helpers import write_checkpoint
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\ncheckpoint: {keep: 3}\n")
+    cfg = load_job(job)
+    for step in (20, 40, 60, 80):
+        write_checkpoint(cfg.checkpoint.dir, step)
+    sup = Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None, console=EventConsole("demo"))
+    sup.on_checkpoint(CommitRecord(80, 0.0, 0.0, 1000), mine=False)  # the scan
+    assert "checkpoint step 80 committed" in capsys.readouterr().err
+    assert len(list(cfg.checkpoint.dir.glob("step_*"))) == 4
+    sup.on_checkpoint(CommitRecord(80, 0.0, 1.0, 1000), mine=True)  # rank 0's record
+    err = capsys.readouterr().err
+    assert "committed" not in err and "after checkpoint step 80: removed step_000000020" in err, err
+    assert sorted(p.name for p in cfg.checkpoint.dir.glob("step_*")) == [f"step_0000000{s}" for s in (40, 60, 80)]
+    sup.on_checkpoint(CommitRecord(80, 0.0, 1.0, 1000), mine=True)  # once only
+    assert capsys.readouterr().err == ""
+
+
 def test_sigtstp_without_a_terminal_to_continue_the_supervisor_is_ignored_with_a_word(monkeypatch, capsys):
     """Under nohup &, setsid or systemd no shell could `fg` it: stopping would leave the run unwatched for good."""
     from supervisor.commands import run as run_cmd
