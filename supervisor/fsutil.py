@@ -178,10 +178,11 @@ class HashedFile:
             offset = self.size + start
             if tap is None:
                 self.hash.update(chunk)
-            for at in range(0, len(chunk), TAP_BLOCK) if tap is not None else ():
-                block = chunk[at:at + TAP_BLOCK]
-                self.hash.update(block)
-                tap(offset + at, block)
+            else:
+                for at in range(0, len(chunk), TAP_BLOCK):
+                    block = chunk[at:at + TAP_BLOCK]
+                    self.hash.update(block)
+                    tap(offset + at, block)
             if fd == self.direct_fd and len(chunk) % PAGE == 0:
                 try:
                     pwrite_all(fd, chunk, offset)

@@ -325,16 +325,12 @@ class RawWriter(StorageWriter):
             sink.pad_to(offset)
             if item.type == WriteItemType.BYTE_IO:
                 raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
-                summer = store.PieceSummer([(offset, len(raw))], PIECE)
-                sink.write(raw, tap=summer.feed)
-                sums.append((offset, len(raw), summer.sums()[0]))
+                sums.append(_write_summed(sink, raw))
                 results.append(WriteResult(item.index, len(raw), RawItem(name, offset, len(raw), summed=True)))
             else:
                 t = data if data.device.type == "cpu" else data.cpu()
                 t = t.contiguous()
-                summer = store.PieceSummer([(offset, t.numel() * t.element_size())], PIECE)
-                sink.write(as_bytes(t), tap=summer.feed)
-                sums.append((offset, t.numel() * t.element_size(), summer.sums()[0]))
+                sums.append(_write_summed(sink, as_bytes(t)))
                 results.append(self._result(item, name, offset, t))
         return results
 
@@ -343,6 +339,14 @@ class RawWriter(StorageWriter):
         length = t.numel() * t.element_size()
         dtype = str(t.dtype).removeprefix("torch.")
         return WriteResult(item.index, length, RawItem(name, offset, length, dtype, tuple(t.shape), summed=True))
+
+
+def _write_summed(sink: _Sink, data: memoryview) -> tuple[int, int, store.PieceSums]:
+    """Appends one item's bytes to `sink`; its (offset, length, checksums) for the file's table."""
+    offset = sink.size
+    summer = store.PieceSummer([(offset, len(data))], PIECE)
+    sink.write(data, tap=summer.feed)
+    return offset, len(data), summer.sums()[0]
 
 
 class RawReader(StorageReader):
