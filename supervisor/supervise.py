@@ -487,39 +487,35 @@ class Supervisor:
         if last is not None and last.ended_at is None:
             last.ended_at, last.reason, last.detail = time.time(), api.LAUNCHER_DIED, f"could not launch: {why}"
             self.accounting.end(last.ended_at)
-        self._settle()
-        self.record.message = (f"resilient stopped the run: the run dir cannot be written ({why}). Free space "
-                               "there (or make it writable); `resilient run` again resumes from the newest "
-                               "valid checkpoint.")
-        self._transition(RunState.FAILED)
-        self.console.paragraph(self.record.message)
-        return ExitCode.FAILED
+        return self._end_failed(f"resilient stopped the run: the run dir cannot be written ({why}). Free space "
+                                "there (or make it writable); `resilient run` again resumes from the newest "
+                                "valid checkpoint.")
 
     def _all_damaged(self, names: list[str]) -> int:
         """The check before a launch has just set aside every checkpoint left: the run stops, as when the ranks
         find the last one damaged, rather than retrain from step 0 unasked and report success."""
-        self._settle()
-        self.record.message = (
+        return self._end_failed(
             f"resilient stopped the run: every checkpoint left was damaged and is set aside ({', '.join(names)}; "
             f"never deleted): nothing valid remains to resume from. `resilient run` again starts from step 0; "
             f"to resume instead, put an intact copy back under {self.cfg.checkpoint.dir}.")
-        self._transition(RunState.FAILED)
-        self.console.paragraph(self.record.message)
-        return ExitCode.FAILED
 
     def _failed(self, why: str, outcome: AttemptOutcome, spec: AttemptSpec) -> int:
-        self._settle()
         newest = store.latest_valid(self.cfg.checkpoint.dir)
         look = outcome.log_hint or str(spec.logs_dir)
         at = self.record.history[-1].step_at_failure if self.record.history else outcome.step
         rank_hint = f" (rank {outcome.failed_rank}'s stderr.log under it)" if outcome.failed_rank is not None else ""
-        self.record.message = (
+        return self._end_failed(
             f"resilient stopped the run: {why}. Attempt {spec.attempt} ended "
             f"{'before its first step' if at is None else f'at step {at}'}; "
             f"the newest valid checkpoint is {('step ' + str(newest.step)) if newest else 'none'}. "
             f"Look at {look}{rank_hint}, and `resilient status {self.cfg.run_dir}` for the history.")
+
+    def _end_failed(self, message: str) -> int:
+        """The run stops failed: its lost steps charged, `message` recorded for status and said."""
+        self._settle()
+        self.record.message = message
         self._transition(RunState.FAILED)
-        self.console.paragraph(self.record.message)
+        self.console.paragraph(message)
         return ExitCode.FAILED
 
     # ---- the record -------------------------------------------------------------------------------
