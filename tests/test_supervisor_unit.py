@@ -954,22 +954,28 @@ def test_ranks_that_resume_newer_than_handed_and_end_at_once_charge_no_lost_step
     assert ledger.summary(41.0)["lost_steps"] == 0 and ledger.attempts[-1].resume_step == 300
 
 
-def test_retention_at_a_commit_judges_the_checkpoints_up_to_that_commit(tmp_path, capsys):
-    """With fast steps step 125 was on disk when the supervisor read step 100's commit: "checkpoint step 100
-    committed; removed step_000000050, step_000000075" read as if only step 100 was left (audit)."""
+def supervisor_over(tmp_path, keep: int, steps: tuple[int, ...]):
+    """A Supervisor of a job with `keep`, its checkpoint root holding `steps` (nothing launched)."""
     from supervisor.config import load_job
     from supervisor.console import EventConsole
     from supervisor.layout import RunLayout
-    from supervisor.protocol import CommitRecord
     from supervisor.supervise import Supervisor
     from tests.ckpt_helpers import write_checkpoint
 
     job = tmp_path / "job.yaml"
-    job.write_text("name: demo\nentrypoint: {module: train_entry}\ncheckpoint: {keep: 2}\n")
+    job.write_text(f"name: demo\nentrypoint: {{module: train_entry}}\ncheckpoint: {{keep: {keep}}}\n")
     cfg = load_job(job)
-    for step in (50, 75, 100, 125):
+    for step in steps:
         write_checkpoint(cfg.checkpoint.dir, step)
-    sup = Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None, console=EventConsole("demo"))
+    return Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None, console=EventConsole("demo")), cfg
+
+
+def test_retention_at_a_commit_judges_the_checkpoints_up_to_that_commit(tmp_path, capsys):
+    """With fast steps step 125 was on disk when the supervisor read step 100's commit: "checkpoint step 100
+    committed; removed step_000000050, step_000000075" read as if only step 100 was left (audit)."""
+    from supervisor.protocol import CommitRecord
+
+    sup, cfg = supervisor_over(tmp_path, keep=2, steps=(50, 75, 100, 125))
     sup.on_checkpoint(CommitRecord(100, 0.0, 1.0, 1000), mine=True)
     assert "checkpoint step 100 committed" in capsys.readouterr().err
     assert sorted(p.name for p in cfg.checkpoint.dir.glob("step_*")) == [
@@ -982,19 +988,9 @@ def test_retention_at_a_commit_judges_the_checkpoints_up_to_that_commit(tmp_path
 def test_retention_still_runs_when_the_disk_scan_announced_the_commit_before_rank_0_logged_it(tmp_path, capsys):
     """Under load the supervisor's scan of the root saw step 80 before rank 0's commit record arrived: the record
     was then taken as already announced, and retention never ran (a run kept 20, 40, 60 and 80 with keep 3)."""
-    from supervisor.config import load_job
-    from supervisor.console import EventConsole
-    from supervisor.layout import RunLayout
     from supervisor.protocol import CommitRecord
-    from supervisor.supervise import Supervisor
-    from tests.ckpt_helpers import write_checkpoint
 
-    job = tmp_path / "job.yaml"
-    job.write_text("name: demo\nentrypoint: {module: train_entry}\ncheckpoint: {keep: 3}\n")
-    cfg = load_job(job)
-    for step in (20, 40, 60, 80):
-        write_checkpoint(cfg.checkpoint.dir, step)
-    sup = Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None, console=EventConsole("demo"))
+    sup, cfg = supervisor_over(tmp_path, keep=3, steps=(20, 40, 60, 80))
     sup.on_checkpoint(CommitRecord(80, 0.0, 0.0, 1000), mine=False)  # the scan
     assert "checkpoint step 80 committed" in capsys.readouterr().err
     assert len(list(cfg.checkpoint.dir.glob("step_*"))) == 4
