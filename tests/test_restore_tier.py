@@ -62,3 +62,28 @@ def test_a_node_with_no_local_checkpoint_sends_every_rank_to_the_durable_tier(tm
     local_checkpoint(tmp_path / "local-a", 20, "a")
     offers = [offer(tmp_path, "a", 20), offer(tmp_path, "b", None)]
     assert choose(10, offers) == (10, "durable", "node b has no local checkpoint")
+
+
+def test_a_local_copy_the_ranks_could_not_load_is_checked_in_full_before_it_is_judged(tmp_path):
+    """The load failed on the local tier: that copy is read to its last byte. Damaged, it is set aside and the durable
+    tier serves; whole (the code changed, say), it is judged like a durable checkpoint, never set aside as damaged
+    (audit: byte-perfect local copies were quarantined at once, and inspect listed them as corrupt)."""
+    from supervisor import api
+    from supervisor.config import CheckpointConfig
+    from supervisor.console import EventConsole
+    from supervisor.resume import ResumeChooser
+    from tests.ckpt_helpers import write_checkpoint
+
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    for step in (20, 40):
+        write_checkpoint(durable, step)
+        write_checkpoint(local, step, size=store.SMALL_FILE_BYTES + 1)
+    chooser = ResumeChooser(CheckpointConfig(dir=durable), local, EventConsole("demo"), lambda q: None, lambda: 3)
+    failed = api.AttemptOutcome(api.CHECKPOINT_LOAD, "rank 0 could not load the checkpoint: step 40: boom", 0, 74,
+                                None, checkpoint_step=40, checkpoint_tier="local")
+    whole = chooser.load_failure(failed, chooser.choose(None))
+    assert (whole.step, whole.corrupt, whole.older_valid, whole.local) == (40, None, 20, True)
+    flip_byte(local / store.step_dirname(40) / "__0_0.distcp")  # past SMALL_FILE_BYTES: only a full read sees it
+    assert store.inspect(local / store.step_dirname(40)).valid
+    damaged = chooser.load_failure(failed, chooser.choose(None))
+    assert damaged.local and damaged.corrupt is not None and "__0_0.distcp checksum mismatch" in damaged.corrupt
