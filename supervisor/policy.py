@@ -13,20 +13,27 @@
   since the first such launch began (its `began`: the launch itself where no rank of it ever started, all its
   time being torchrun's wait in the rendezvous; otherwise its failure);
 - a checkpoint the ranks could not load is set aside (quarantined) and the run falls back to the next older
-  valid one when a full check finds it corrupt, or when it checks whole yet fails to load twice; the latter
-  once per run, since every checkpoint failing to load says the code or model changed, not the files. The
-  run stops for a bad checkpoint only when no older valid one exists. A fallback is not "no progress".
+  valid one when a full check finds it corrupt, or when it checks whole yet fails to load twice (once, when
+  the error says its names or shapes are not the run's: no retry changes that); the latter once per run, since
+  every checkpoint failing to load says the code or model changed, not the files. The run stops for a bad
+  checkpoint only when no older valid one exists. A fallback is not "no progress".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from supervisor import api
 from supervisor.api import AttemptOutcome, Decision
 from supervisor.config import RestartConfig
 from supervisor.state import RunState
+
+# A load that failed because the checkpoint and the run's state differ in names or shapes (DCP's planner, or our
+# storage layer resharding): no retry of the same bytes can change that, so it is not tried twice.
+MISMATCH = re.compile(r"Size mismatch between saved|Missing key in checkpoint state_dict|the checkpoint holds .*, "
+                      r"this run wants")
 
 
 @dataclass(frozen=True)
@@ -152,20 +159,21 @@ class RestartPolicy:
         failed = self.load_failures[load.step] = self.load_failures.get(load.step, 0) + 1
         if load.corrupt is not None:
             why = f"{load.corrupt} (a full check after the ranks failed to load it)"
-        elif failed < 2:
-            return None  # whole: a passing fault (a filesystem hiccup) deserves one more try
+        elif failed < 2 and not MISMATCH.search(outcome.detail):
+            return None  # whole: a passing fault (a filesystem hiccup) deserves one more try; a mismatch does not
         elif self.unloadable and load.step not in self.unloadable:
-            return self._stop(f"checkpoint step {load.step} checks whole but failed to load twice, as step "
+            return self._stop(f"checkpoint step {load.step} checks whole but failed to load {_tries(failed)}, as step "
                               f"{self.unloadable[0]} did before it: the checkpoints no longer match the training "
                               f"code or model, and both are left where they are ({outcome.detail})")
         else:
             self.unloadable.append(load.step)
             if load.older_valid is None:
-                return self._stop(f"checkpoint step {load.step} checks whole but failed to load twice "
+                return self._stop(f"checkpoint step {load.step} checks whole but failed to load {_tries(failed)} "
                                   f"({outcome.detail}) and no older valid checkpoint exists; it is left where it "
                                   "is: if the training code changed, change it back, or move the checkpoint aside "
                                   "to start from step 0")
-            return load.step, f"every byte checks, but the ranks failed to load it twice: {outcome.detail}", True
+            why = f"every byte checks, but the ranks failed to load it {_tries(failed)}: {outcome.detail}"
+            return load.step, why, True
         if load.older_valid is None:
             return dataclasses.replace(
                 self._stop(f"checkpoint step {load.step} cannot be used ({why}: {outcome.detail}) and no older "
@@ -176,3 +184,7 @@ class RestartPolicy:
     @staticmethod
     def _stop(message: str) -> Decision:
         return Decision(False, final_state=RunState.FAILED, message=message)
+
+
+def _tries(failed: int) -> str:
+    return "twice" if failed >= 2 else "(its names or shapes are not this run's)"

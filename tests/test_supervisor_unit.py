@@ -1277,3 +1277,19 @@ def test_a_process_that_ends_while_the_group_is_signalled_does_not_end_the_stop(
         for p in proc.alive():
             p.kill()
         proc.close()
+
+
+def test_a_whole_checkpoint_whose_names_or_shapes_differ_is_passed_over_at_once_not_retried():
+    """A size mismatch is the code's or the model's, never a passing fault: its retry cost an attempt per
+    checkpoint (audit: a changed model took four attempts to stop)."""
+    p = RestartPolicy(RestartConfig(backoff_s=0))
+    mismatch = api.AttemptOutcome(api.CHECKPOINT_LOAD, "rank 0 could not load the checkpoint: step 40: ValueError: "
+                                  "Size mismatch between saved torch.Size([64]) and current: torch.Size([32]) for w",
+                                  0, 74, None, checkpoint_step=40)
+    d = p.decide(mismatch, progressed=False, newest_valid=40, older_valid=20,
+                 load=LoadFailure(40, None, older_valid=20))
+    assert d.relaunch and d.quarantine_step == 40 and d.quarantine_once_older_loads and d.resume_below == 40
+    assert "its names or shapes are not this run's" in d.quarantine
+    d = RestartPolicy(RestartConfig(backoff_s=0)).decide(load_failed(40), progressed=False, newest_valid=40,
+                                                         older_valid=20, load=LoadFailure(40, None, older_valid=20))
+    assert d.relaunch and d.quarantine_step is None  # another error: one more try, as before
