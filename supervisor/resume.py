@@ -149,7 +149,11 @@ class ResumeChooser:
         suspect, why = self.suspect
         self.suspect = None  # the ranks are past loading: the next relaunch chooses afresh
         if step is not None and step < suspect:  # an older one loads where it did not
-            self.quarantine(self.ckpt.dir / store.step_dirname(suspect), f"{why}; step {step} loads")
+            # In each tier that holds it: a local copy left behind was whole to the next relaunch's choice, which
+            # handed it to the ranks again.
+            for root in (self.ckpt.dir, self.local_root):
+                if root is not None and (root / store.step_dirname(suspect)).is_dir():
+                    self.quarantine(root / store.step_dirname(suspect), f"{why}; step {step} loads")
 
     def quarantine(self, path: Path, reason: str, say: bool = True) -> Path | None:
         """Rename a checkpoint aside with its reason (never delete it); None if another node did it first."""

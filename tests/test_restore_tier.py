@@ -87,3 +87,24 @@ def test_a_local_copy_the_ranks_could_not_load_is_checked_in_full_before_it_is_j
     assert store.inspect(local / store.step_dirname(40)).valid
     damaged = chooser.load_failure(failed, chooser.choose(None))
     assert damaged.local and damaged.corrupt is not None and "__0_0.distcp checksum mismatch" in damaged.corrupt
+
+
+def test_a_whole_step_that_failed_to_load_twice_is_set_aside_in_both_tiers_once_an_older_one_loads(tmp_path):
+    from supervisor.api import Decision
+    from supervisor.config import CheckpointConfig
+    from supervisor.console import EventConsole
+    from supervisor.resume import ResumeChooser
+    from tests.ckpt_helpers import write_checkpoint
+
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    for step in (20, 40):
+        write_checkpoint(durable, step)
+        write_checkpoint(local, step)
+    chooser = ResumeChooser(CheckpointConfig(dir=durable), local, EventConsole("demo"), lambda q: None, lambda: 3)
+    chooser.set_aside(Decision(True, quarantine_step=40, quarantine="failed to load it twice",
+                               quarantine_once_older_loads=True, resume_below=40))
+    assert chooser.choose(None).step == 20 and chooser.local_step == 20  # passed over in both tiers
+    chooser.resumed(20)
+    assert not (durable / store.step_dirname(40)).exists() and not (local / store.step_dirname(40)).exists()
+    assert (durable / "step_000000040.quarantined").is_dir() and (local / "step_000000040.quarantined").is_dir()
+    assert chooser.choose(None).step == 20 and chooser.local_step == 20  # and it stays passed over
