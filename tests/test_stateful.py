@@ -160,17 +160,31 @@ def test_sharded_entries_must_match_the_objects_state_dict_both_ways():
 
 
 def test_declarations_are_checked_when_the_train_state_is_built():
-    with pytest.raises(TypeError, match="declare how its state is spread over the ranks: Replicated"):
+    """Each refusal is a Misuse: escaping the script, it ends the rank with EXIT_CONFIG and its sentence, which the
+    supervisor stops on (audit: these were a plain TypeError/ValueError, a traceback, retried into a crash loop)."""
+    from train_entry.ema import EMA
+    from train_entry.stateful import Misuse
+
+    with pytest.raises(TypeError, match="declare how its state is spread over the ranks: Replicated") as e:
         StatefulSet({"scaler": Counter()})
-    with pytest.raises(ValueError, match=re.escape("stateful name 'a.b'")):
+    assert isinstance(e.value, Misuse)
+    with pytest.raises(ValueError, match=re.escape("stateful name 'a.b'")) as e:
         StatefulSet({"a.b": Replicated(Counter())})
+    assert isinstance(e.value, Misuse)
 
     class SaveOnly:
         def state_dict(self):
             return {}
 
-    with pytest.raises(TypeError, match="the object has no load_state_dict"):
+    with pytest.raises(TypeError, match="the object has no load_state_dict") as e:
         Replicated(SaveOnly())
+    assert isinstance(e.value, Misuse)
+    with pytest.raises(TypeError, match=r"a torch\.Generator keeps its state in get_state") as e:
+        PerRank(torch.Generator())
+    assert isinstance(e.value, Misuse)
+    with pytest.raises(ValueError, match="EMA decay must lie strictly between 0 and 1") as e:
+        EMA(torch.nn.Linear(2, 2), decay=0.0)
+    assert isinstance(e.value, Misuse)
 
 
 def test_declared_kinds_are_checked_against_the_state_and_replicated_digests_compared():

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from train_entry.stateful import StatefulError
+
 
 class EMA:
     """`shadow = decay * shadow + (1 - decay) * weight` after every optimizer step.
@@ -23,7 +25,7 @@ class EMA:
 
     def __init__(self, model: torch.nn.Module, decay: float):
         if not 0.0 < decay < 1.0:
-            raise ValueError(f"EMA decay must lie strictly between 0 and 1, not {decay}")
+            raise StatefulError(f"EMA decay must lie strictly between 0 and 1, not {decay}")
         self.decay = decay
         self.shadow: dict[str, torch.Tensor] = {
             name: p.detach().clone().float() for name, p in model.named_parameters() if p.requires_grad}

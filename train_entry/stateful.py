@@ -72,8 +72,12 @@ class _Declared:
     def __post_init__(self) -> None:
         for method in ("state_dict", "load_state_dict"):
             if not callable(getattr(self.obj, method, None)):
-                raise TypeError(f"{type(self).__name__}({type(self.obj).__name__}): the object has no {method}(); "
-                                "a stateful object needs state_dict() and load_state_dict(sd)")
+                hint = (": a torch.Generator keeps its state in get_state()/set_state(), so wrap it in a holder "
+                        "whose state_dict() and load_state_dict(sd) call those (README, the library)"
+                        if isinstance(self.obj, torch.Generator) else "")
+                raise TrainStateError(f"{type(self).__name__}({type(self.obj).__name__}): the object has no "
+                                      f"{method}(); a stateful object needs state_dict() and load_state_dict(sd)"
+                                      f"{hint}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -205,11 +209,11 @@ class StatefulSet:
         self.declared: dict[str, Declared] = {}
         for name, decl in (declared or {}).items():
             if not isinstance(name, str) or not _NAME.match(name):
-                raise ValueError(f"stateful name {name!r}: use letters, digits, '_' and '-' (it becomes part of "
-                                 "checkpoint keys)")
+                raise StatefulError(f"stateful name {name!r}: use letters, digits, '_' and '-' (it becomes part "
+                                    "of checkpoint keys)")
             if not isinstance(decl, (Replicated, Sharded, PerRank)):
-                raise TypeError(f"stateful[{name!r}] is a bare {type(decl).__name__}: declare how its state is "
-                                f"spread over the ranks: Replicated(obj), Sharded(obj) or PerRank(obj)")
+                raise TrainStateError(f"stateful[{name!r}] is a bare {type(decl).__name__}: declare how its state "
+                                      f"is spread over the ranks: Replicated(obj), Sharded(obj) or PerRank(obj)")
             self.declared[name] = decl
         self._plan: dict[str, _Plan] = {}
 
