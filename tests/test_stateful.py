@@ -328,3 +328,33 @@ def test_schedulers_saved_in_another_layout_or_with_no_state_are_named_not_taken
             TrainState(m, opt, run).template(0, keys, world_size=1)
     assert "scheduler" not in TrainState(m, opt, []).state_dict(0, torch.device("cpu"))
     assert "scheduler" not in TrainState(m, opt, []).template(0, {"train"}, world_size=1)
+
+
+def test_a_model_whose_layers_changed_since_the_save_stops_the_resume_naming_them():
+    """Audit: a model with a layer removed resumed with exit 0, its weights and their optimizer state dropped for
+    good; one with a layer added failed each checkpoint's load in turn before the run named the cause."""
+    from train_entry.state import TrainState, model_changed
+
+    def state_of(*widths: int) -> TrainState:
+        m = torch.nn.Sequential(*(torch.nn.Linear(w, w) for w in widths))
+        return TrainState(m, torch.optim.SGD(m.parameters(), lr=0.1))
+
+    keys = {k for k in _flat_keys(state_of(4, 4).state_dict(0, torch.device("cpu")))}
+    assert "model.1.weight" in keys and "model.0.bias" in keys
+    state_of(4, 4).template(0, keys, world_size=1)  # the same model: fine
+    with pytest.raises(StatefulError, match=r"the checkpoint holds 1\.bias, 1\.weight, which this model lacks\): "
+                                            r"change it back, or train the new model in a new run dir"):
+        state_of(4).template(0, keys, world_size=1)
+    with pytest.raises(StatefulError, match=r"this model has 2\.bias, 2\.weight, which the checkpoint lacks"):
+        state_of(4, 4, 4).template(0, keys, world_size=1)
+    # a value DCP flattened into several keys (a module's extra state as a dict) is the same name
+    assert model_changed({"model.w", "model.norm._extra_state.a", "model.norm._extra_state.b"},
+                         {"w": 0, "norm._extra_state": {}}) is None
+    assert model_changed({"train", "rng.rank0"}, {"w": 0}) is None  # no model in it: nothing to compare
+
+
+def _flat_keys(sd: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in sd.items():
+        out += _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+    return out

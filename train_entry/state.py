@@ -211,6 +211,8 @@ class TrainState:
         """A state dict shaped for DCP to load into: this run's sharding, the checkpoint's optional keys.
         Raises StatefulError when a stateful object cannot be restored from what the checkpoint holds."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if problem := model_changed(keys, model_sd):
+            raise StatefulError(problem)
         sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "train": ""}
         if rng_key(rank) in keys:
             sd[rng_key(rank)] = b""
@@ -264,3 +266,33 @@ def _non_string_key(obj: Any) -> tuple[Any, ...]:
             if found:
                 return found
     return ()
+
+
+def model_changed(keys: set[str], model_sd: Mapping[str, Any]) -> str | None:
+    """Why the checkpoint's model (its `keys`) is not this one's, in one sentence, or None. Layers removed since the
+    save were ignored by DCP without a word (their weights dropped for good once retention took the checkpoints
+    that held them); layers added failed each checkpoint's load in turn. Both are the code's, on every checkpoint,
+    so they stop the run at once (EXIT_CONFIG). Names only: a shape that changed is DCP's to name."""
+    saved = {k[len("model."):] for k in keys if k.startswith("model.")}
+    if not saved:  # nothing of a model in it (a test's, a script's own layout): nothing to compare
+        return None
+
+    def prefixes(name: str) -> list[str]:  # the name and its parents: DCP flattens a dict value into several keys
+        parts = name.split(".")
+        return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+    mine = set(model_sd)
+    gone = sorted(k for k in saved if not any(p in mine for p in prefixes(k)))
+    under_saved = {p for k in saved for p in prefixes(k)}
+    new = sorted(k for k in mine if k not in under_saved)
+    if not gone and not new:
+        return None
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    what = "; ".join(x for x in (f"the checkpoint holds {some(gone)}, which this model lacks" if gone else "",
+                                 f"this model has {some(new)}, which the checkpoint lacks" if new else "") if x)
+    return (f"the model changed since this checkpoint was saved ({what}): change it back, or train the new model "
+            "in a new run dir")
+
