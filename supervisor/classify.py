@@ -138,6 +138,12 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
     if root is not None and root.exit_code == 0:  # finished, then died: not the cause of what failed
         root = next((f for f in failures if f.exit_code != 0), None)
     if rc == 0:
+        stopped = [hb for hb in heartbeats.values() if hb.exit_code == EXIT_PREEMPTED]
+        if stopped:  # finish() returned 75 for a stop, and the script exited 0 all the same
+            return AttemptOutcome(api.PREEMPTED, f"the ranks checkpointed and stopped at step {step} for a stop that "
+                                  f"reached the group (session.finish() returned {EXIT_PREEMPTED}), but the script "
+                                  "exited 0: end it with sys.exit(session.finish(step, state)), or a stop is taken "
+                                  "for the end of the job", stopped[0].rank, 0, step)
         if any(hb.exit_reason == NO_FINISH for hb in heartbeats.values()):
             return AttemptOutcome(api.FINISHED, f"the ranks exited 0 without session.finish() at step {step}: the "
                                   "steps after the last checkpoint were not saved (call finish(step, state) at the "

@@ -101,6 +101,19 @@ def test_a_users_ddp_script_with_its_slips_resumes_bitwise(tmp_path):
             assert torch.equal(a["sd"][k], b["sd"][k]), (rank, k)
 
 
+def test_a_model_left_unwrapped_is_refused_at_the_first_save_not_saved_as_a_mix_of_the_ranks_copies(tmp_path):
+    """Audit: the README's snippet, which showed no fully_shard, run as written: each rank trained its own copy and
+    the checkpoint took each tensor from whichever rank DCP chose, exit 0. The DDP script above is the control."""
+    script = tmp_path / "my_unwrapped.py"
+    script.write_text(SCRIPT.replace("model = DDP(", "model = (").replace("model.module.", "model."))
+    with started(torchrun(script, 10, "end"), tmp_path, log=tmp_path / "run.log") as p:
+        rc = p.wait(120)
+        text = p.output()
+    assert rc != 0 and "the model's parameters differ between ranks 0 and 1: each rank trains its own copy" in text
+    assert "wrap the model in fully_shard (FSDP2) or DistributedDataParallel" in text, text[-3000:]
+    assert not (tmp_path / "ckpt" / "step_000000005").exists()
+
+
 def test_a_script_started_without_torchrun_says_so_in_one_sentence(tmp_path):
     script = tmp_path / "my_ddp.py"
     script.write_text(SCRIPT)

@@ -1293,3 +1293,14 @@ def test_a_whole_checkpoint_whose_names_or_shapes_differ_is_passed_over_at_once_
     d = RestartPolicy(RestartConfig(backoff_s=0)).decide(load_failed(40), progressed=False, newest_valid=40,
                                                          older_valid=20, load=LoadFailure(40, None, older_valid=20))
     assert d.relaunch and d.quarantine_step is None  # another error: one more try, as before
+
+
+def test_ranks_that_stopped_for_a_preemption_in_a_script_that_exits_0_are_relaunched_not_finished():
+    """Audit: a script that dropped finish()'s return code turned a stop that reached its ranks into 'finished at
+    step 30' of 60, exit 0; the ranks' own last heartbeats said 75."""
+    beats = {r: hb(r, phase="exited", step=30, exit_code=EXIT_PREEMPTED, exit_reason="preempted") for r in (0, 1)}
+    out = classify.classify(0, "", beats)
+    assert out.reason == api.PREEMPTED and out.step == 30, out
+    assert "end it with sys.exit(session.finish(step, state))" in out.detail
+    done = {r: hb(r, phase="exited", step=60, exit_code=0) for r in (0, 1)}
+    assert classify.classify(0, "", done).reason == api.FINISHED

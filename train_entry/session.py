@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from supervisor import store
 from supervisor.protocol import (
@@ -103,6 +104,7 @@ class Session:
         self._window_start: float | None = None
         self._mean: float | None = None
         self._step_warned = self._position_warned = False
+        self._params_compared = False  # the plain parameters compared across the ranks, at the first save
         self._no_time_for: int | None = None  # the stop step whose checkpoint the ranks agreed the grace cannot fit
         self._finished: int | None = None
         self._resumed = False
@@ -378,6 +380,28 @@ class Session:
         if failed:
             self._exit_config("start", *failed[0], everyone_failed=len(failed) == self.world_size)
 
+    def _compare_plain_params(self, state: TrainState, step: int) -> None:
+        """Once, at the first save: a parameter that is not a DTensor (a DDP model's, or one left unwrapped) must be
+        the same on every rank that holds it under that name, or DCP saves one rank's copy of each such tensor and
+        the checkpoint mixes the ranks' models (audit: the README's snippet without fully_shard did, exit 0). The
+        first elements of each tell (ranks training copies of their own differ there from the first step); ranks
+        holding other names (pipeline stages) are not compared."""
+        if self.world_size == 1:
+            return
+        names, sample = hashlib.sha256(), hashlib.sha256()
+        for name, p in state.model.named_parameters():
+            if isinstance(p, DTensor):
+                continue
+            names.update(name.encode() + b"\0")
+            sample.update(p.detach().reshape(-1)[:256].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        everyone = self._gather((names.hexdigest(), sample.hexdigest()))
+        mine = everyone[self.rank]
+        differ = sorted(r for r, (n, d) in enumerate(everyone) if n == mine[0] and d != mine[1])
+        problem = (f"the model's parameters differ between ranks {self.rank} and {differ[0]}: each rank trains its "
+                   "own copy, and a checkpoint would mix them; wrap the model in fully_shard (FSDP2) or "
+                   "DistributedDataParallel, or average its gradients across the ranks") if differ else None
+        self._stop_unless_all_fine(problem, f"save step {step}")
+
     def _require_resumed(self, call: str) -> None:
         """`beat` and `save` before `resume`: a save would replace the run's valid checkpoints with a fresh start's
         steps, and its background gather would meet resume's on the checkpoint group. Every rank runs the same
@@ -489,6 +513,9 @@ class Session:
         self._require_resumed("save")
         if step == self.last_saved_step:
             return None
+        if not self._params_compared:
+            self._params_compared = True
+            self._compare_plain_params(state, step)
         if state.step != step:  # the checkpoint of `step` must say `step`: a resume checks it and refuses otherwise
             if self.ctx.is_main and not self._step_warned:
                 log.warning("save(%d) with state.step %d: the checkpoint records step %d (set state.step = step "
