@@ -295,4 +295,3 @@ def model_changed(keys: set[str], model_sd: Mapping[str, Any]) -> str | None:
                                  f"this model has {some(new)}, which the checkpoint lacks" if new else "") if x)
     return (f"the model changed since this checkpoint was saved ({what}): change it back, or train the new model "
             "in a new run dir")
-
