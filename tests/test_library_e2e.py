@@ -130,6 +130,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from train_entry import PerRank, Session, TrainState
 
 mode = sys.argv[1]
@@ -154,7 +155,7 @@ class Late:
 if mode == "own_pg":
     dist.init_process_group("gloo")
 session = Session.start(ckpt_dir="ckpt", ckpt_interval=2, async_save=True)
-model = nn.Linear(4, 1)
+model = DDP(nn.Linear(4, 1))  # one model over the ranks (unwrapped, the first save refuses it: another misuse)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 if mode == "foreign_parameter":  # as an optimizer built before fully_shard, which replaces the parameters
     opt = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(1))], lr=0.01)
