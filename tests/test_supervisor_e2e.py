@@ -300,18 +300,18 @@ def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
     """Two SIGKILLs: attempt 3's ranks are forks of the prewarm server, and the final model and optimizer
     equal those of an uninterrupted run, tensor by tensor; every checkpoint written verifies byte for byte."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    with started(run_job(straight, steps=120, sleep=0.0), tmp_path, log=tmp_path / "straight.log") as sup:
+    with started(run_job(straight, steps=80, sleep=0.0), tmp_path, log=tmp_path / "straight.log") as sup:
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
     # One worker group made every save of the uninterrupted run, async: a stager reused across saves.
     records = read_step_log(straight / "steps" / "attempt_1.jsonl")
     saves = [r.step for r in records if isinstance(r, SaveRecord)]
     commits = [r.step for r in records if isinstance(r, CommitRecord)]
-    assert saves == commits == list(range(20, 121, 20)) and len(status(straight)["history"]) == 1
+    assert saves == commits == list(range(20, 81, 20)) and len(status(straight)["history"]) == 1
 
     def attempt_ranks(attempt: int, min_step: int = 0) -> list[dict]:
         return live_ranks(killed, min_step) if state(killed).get("attempt") == attempt else []
 
-    with started(run_job(killed, steps=120), tmp_path, log=tmp_path / "killed.log") as sup:
+    with started(run_job(killed, steps=80), tmp_path, log=tmp_path / "killed.log") as sup:
         for attempt, at_step in ((1, 30), (2, 50)):
             ranks = wait_for(lambda a=attempt, s=at_step: attempt_ranks(a, s), 90, f"attempt {attempt} training")
             os.kill(ranks[1]["pid"], signal.SIGKILL)
@@ -328,12 +328,12 @@ def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
         assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
     assert [h["reason"] for h in status(killed)["history"]] == ["worker_signal", "worker_signal", "finished"]
     a, b = store.latest_valid(straight / "checkpoints"), store.latest_valid(killed / "checkpoints")
-    assert a.step == b.step == 120
+    assert a.step == b.step == 80
     assert_same_training_state(a.path, b.path)
     verify = subprocess.run(resilient("inspect-checkpoint", killed, "--verify", "--json"), capture_output=True,
                             text=True, env=child_env(), timeout=60)
     doc = json.loads(verify.stdout)
-    assert verify.returncode == 0 and doc["verified"] and doc["latest_valid_step"] == 120, verify.stderr
+    assert verify.returncode == 0 and doc["verified"] and doc["latest_valid_step"] == 80, verify.stderr
     assert {c["status"] for c in doc["checkpoints"]} == {"valid"} and len(doc["checkpoints"]) == 3  # keep: 3
 
 
