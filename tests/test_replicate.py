@@ -18,6 +18,18 @@ from tests.ckpt_helpers import truncate
 NODES = {"a": [0, 1], "b": [2, 3]}
 
 
+def drained(r: Replicator, *notified: int, timeout: float = 30.0) -> bool:
+    """Start `r`, tell it of the `notified` commits, and wait up to `timeout` for its queue to empty; it is
+    stopped in every case."""
+    r.start()
+    try:
+        for step in notified:
+            r.notify(step)
+        return r.drain(timeout)
+    finally:
+        r.stop()
+
+
 def local_checkpoint(root: Path, step: int, node: str, ranks: dict[str, list[int]] = NODES, salt: str = "") -> Path:
     """What the ranks of `node` commit to its local tier: their shards, every rank's small file, the metadata."""
     partial = store.begin(root, step)
@@ -81,11 +93,7 @@ def test_a_damaged_local_step_is_set_aside_and_the_others_are_copied(tmp_path):
     said: list[tuple[str, str | None]] = []
     r = Replicator(tmp_path / "local-a", tmp_path / "durable", "a", keep_local=2, keep=3, outage_s=3600.0,
                    announce=lambda text, style: said.append((text, style)))
-    r.start()
-    try:
-        assert r.drain(30.0)
-    finally:
-        r.stop()
+    assert drained(r)
     assert store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True).valid
     assert r.state.failing_since is None and r.state.last_error is None
     aside = newest.with_name(newest.name + store.QUARANTINE_SUFFIX)
@@ -125,12 +133,7 @@ def test_a_step_with_nothing_to_write_is_no_news_that_a_failing_durable_tier_wor
     r = Replicator(tmp_path / "local-a", tmp_path / "durable", "a", keep_local=2, keep=3, outage_s=3600.0,
                    announce=lambda text, style: said.append(text))
     since = r.state.failing_since = time.time() - 60
-    r.start()
-    try:
-        r.notify(10)
-        assert r.drain(10.0)
-    finally:
-        r.stop()
+    assert drained(r, 10, timeout=10.0)
     assert r.state.failing_since == since and not any("works again" in text for text in said), said
 
 
@@ -243,11 +246,7 @@ def test_a_durable_tier_behind_the_saves_copies_the_newest_step_and_skips_what_i
     for step in (10, 20, 30):
         local_checkpoint(tmp_path / "local-a", step, "a", one_node)
     r = replicator(tmp_path, "a", keep_local=1)
-    r.start()
-    try:
-        assert r.drain(10.0)
-    finally:
-        r.stop()
+    assert drained(r, timeout=10.0)
     assert [i.step for i in store.scan(tmp_path / "durable")] == [30]  # no partial of 10 or 20 either
     assert r.state.replicated == 1 and r.state.superseded == 2
     assert [i.step for i in store.scan(tmp_path / "local-a")] == [30]
@@ -554,12 +553,7 @@ def test_a_local_step_saved_again_while_it_is_copied_is_copied_anew_with_no_alar
         return real(self, src, dest, rec, algorithm)
 
     monkeypatch.setattr(replicate.Replicator, "_copy_verified", copy_verified)
-    r.start()
-    try:
-        r.notify(20)
-        assert r.drain(30.0)
-    finally:
-        r.stop()
+    assert drained(r, 20)
     final = store.inspect(tmp_path / "durable" / store.step_dirname(20), deep=True)
     assert final.valid and (tmp_path / "durable" / store.step_dirname(20) / ".metadata").read_bytes() == (
         local / store.step_dirname(20) / ".metadata").read_bytes()
