@@ -228,6 +228,28 @@ def test_what_trainstate_takes_and_what_its_extra_may_hold():
             state.position()
 
 
+def test_an_object_declared_twice_or_saved_already_by_the_train_state_is_refused_when_it_is_declared():
+    """Audit: one loader under two names was saved and restored twice, and an optimizer also declared Replicated drew
+    the advice "declare it PerRank", which would save one rank's whole copy beside the sharded one."""
+    from train_entry.state import TrainState
+
+    loader = Counter()
+    with pytest.raises(StatefulError, match=r"stateful 'a' and 'b' are one Counter: .* declare it once"):
+        StatefulSet({"a": PerRank(loader), "b": Replicated(loader)})
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 5)
+    for obj, what in ((opt, "optimizer"), (sched, "scheduler"), (m, "model")):
+        with pytest.raises(StatefulError, match=f"stateful 'x' is the {what} that TrainState.* saves already"):
+            TrainState(m, opt, sched, stateful={"x": Replicated(obj)})
+    state = TrainState(m, opt, sched)
+    state.stateful = {"x": PerRank(opt)}  # declared after the TrainState, before the resume: refused there
+    with pytest.raises(StatefulError, match="is the optimizer"):
+        state.settle()
+    with pytest.raises(StatefulError, match="'3'"):  # extra as given is checked when built, not at the first save
+        TrainState(m, opt, extra={3: "epoch"})
+
+
 def test_an_optimizer_over_parameters_the_model_does_not_hold_is_refused_when_the_state_is_built():
     """Built before fully_shard (which replaces the parameters), or holding a tensor kept beside the model: the
     first save failed an interval later with a bare KeyError."""

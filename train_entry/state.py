@@ -108,7 +108,8 @@ class TrainState:
                                       f"{type(sched).__name__}, which has no state_dict() and load_state_dict(); "
                                       "pass an LR scheduler (or a list of them)")
         # Checked now, not at the first save; read again if `stateful` changes before the resume.
-        self._stateful, self._declared, self._settled = StatefulSet(self.stateful), dict(self.stateful), False
+        self._stateful, self._declared, self._settled = self._checked(dict(self.stateful)), dict(self.stateful), False
+        self.position()  # state.extra as given, checked now too (it is checked again at every save)
 
     @property
     def _listed(self) -> bool:
@@ -153,8 +154,22 @@ class TrainState:
                 raise StatefulError(f"state.stateful changed after session.resume(state) ({sorted(now)} where "
                                     f"{sorted(self._declared)} was resumed): what was added was never restored from "
                                     "the checkpoint; declare every object before session.resume(state)")
-            self._stateful, self._declared = StatefulSet(now), now
+            self._stateful, self._declared = self._checked(now), now
         return self._stateful
+
+    def _checked(self, declared: dict[str, Declared]) -> StatefulSet:
+        """The declarations as a StatefulSet, refusing one that is the model, an optimizer or a scheduler: those are
+        saved already (sharded, through get_state_dict), and a second copy as Replicated or PerRank would be one
+        rank's whole state, restored over the sharded one (audit: the advice to declare it PerRank was wrong)."""
+        several = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
+        saved = [("model", self.model)] + [("optimizer", o) for o in several] + \
+            [("scheduler", s) for s in self._schedulers()]
+        for name, decl in declared.items():
+            what = next((what for what, obj in saved if getattr(decl, "obj", None) is obj), None)
+            if what is not None:
+                raise StatefulError(f"stateful {name!r} is the {what} that TrainState(model, optimizer, scheduler) "
+                                    "saves already: remove it from stateful")
+        return StatefulSet(declared)
 
     def settle(self) -> None:
         """Called by Session.resume: from here on the declared objects are the ones resumed."""

@@ -214,6 +214,10 @@ class StatefulSet:
             if not isinstance(decl, (Replicated, Sharded, PerRank)):
                 raise TrainStateError(f"stateful[{name!r}] is a bare {type(decl).__name__}: declare how its state "
                                       f"is spread over the ranks: Replicated(obj), Sharded(obj) or PerRank(obj)")
+            twin = next((other for other, d in self.declared.items() if d.obj is decl.obj), None)
+            if twin is not None:
+                raise StatefulError(f"stateful {twin!r} and {name!r} are one {type(decl.obj).__name__}: its state "
+                                    "would be saved twice and restored twice; declare it once")
             self.declared[name] = decl
         self._plan: dict[str, _Plan] = {}
 
