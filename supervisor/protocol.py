@@ -246,7 +246,16 @@ class CommitRecord:
     bytes: int
 
 
-LogRecord = StepRecord | SaveRecord | CommitRecord
+@dataclass(frozen=True)
+class NoteRecord:
+    """Something rank 0 warned of that the user should see without reading a rank's log (a stateful object the
+    checkpoint holds and the run no longer declares: restarted, not restored)."""
+
+    text: str
+    t: float
+
+
+LogRecord = StepRecord | SaveRecord | CommitRecord | NoteRecord
 
 
 def step_line(step: int, t: float) -> str:
@@ -262,6 +271,10 @@ def commit_line(rec: CommitRecord) -> str:
                        "bytes": rec.bytes}) + "\n"
 
 
+def note_line(rec: NoteRecord) -> str:
+    return json.dumps({"note": rec.text, "t": round(rec.t, 4)}) + "\n"
+
+
 def parse_step_line(line: bytes | str) -> LogRecord | None:
     try:
         d = json.loads(line)
@@ -271,6 +284,8 @@ def parse_step_line(line: bytes | str) -> LogRecord | None:
             return SaveRecord(int(d["save"]), float(d["t"]), float(d["blocking_s"]))
         if "commit" in d:
             return CommitRecord(int(d["commit"]), float(d["t"]), float(d["persist_s"]), int(d.get("bytes") or 0))
+        if "note" in d:
+            return NoteRecord(str(d["note"]), float(d["t"]))
     except (ValueError, KeyError, TypeError):
         pass
     return None

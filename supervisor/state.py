@@ -143,6 +143,7 @@ class RunRecord:
     checkpoint_interval: dict[str, Any] = field(default_factory=dict)
     quarantined: list[dict[str, Any]] = field(default_factory=list)  # checkpoints set aside: step, path, reason
     replication: dict[str, Any] = field(default_factory=dict)  # the local tier → durable tier (replicate.py)
+    notes: list[dict[str, Any]] = field(default_factory=list)  # rank 0's warnings, once each: attempt, step, text
     message: str | None = None
     updated_at: float = 0.0
 

@@ -36,6 +36,7 @@ from supervisor.protocol import (
     CommitRecord,
     Control,
     Handover,
+    NoteRecord,
     SaveRecord,
     StepRecord,
     write_control,
@@ -51,6 +52,7 @@ STATE_EVERY_S = 1.0
 NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})  # a run dir that takes no more writes
 REPLICATION_DRAIN_S = 600.0  # a finished run waits this long at most for its last durable copies
 STOP_POLL_S = 0.05  # how soon a stop cuts a restart's backoff short
+MAX_NOTES = 10  # rank 0's warnings kept for `status`: the newest
 
 
 class Supervisor:
@@ -342,9 +344,21 @@ class Supervisor:
                 if self.tuner is not None:
                     self.tuner.on_commit(r.step, r.persist_s)
                 self.on_checkpoint(r, mine=True)
+            elif isinstance(r, NoteRecord):
+                self._note(r, rec)
         # Once a save's cost is known: a background save's when the step in progress at its commit is logged
         if self.tuner is not None and self.tuner.measured != measured:
             self._retune()
+
+    def _note(self, note: NoteRecord, rec: AttemptRecord) -> None:
+        """A warning from rank 0 (a stateful object no longer declared, so restarted): on the console and in
+        `status`, once per run however many attempts repeat it; the rank's log has it too."""
+        if any(n.get("text") == note.text for n in self.record.notes):
+            return
+        del self.record.notes[:-(MAX_NOTES - 1)]
+        self.record.notes.append({"attempt": rec.attempt, "step": self.record.step, "text": note.text})
+        self.console.event(f"attempt {rec.attempt}: rank 0 warns: {note.text}", style="yellow")
+        self.save_state()
 
     def on_checkpoint(self, commit: CommitRecord, mine: bool) -> None:
         """A new valid checkpoint: announce it once; the node whose rank 0 committed it applies retention."""

@@ -126,6 +126,8 @@ def test_a_script_started_without_torchrun_says_so_in_one_sentence(tmp_path):
 
 
 MISUSE = '''
+import os
+import signal
 import sys
 import torch
 import torch.distributed as dist
@@ -134,6 +136,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train_entry import PerRank, Session, TrainState
 
 mode = sys.argv[1]
+attempt = int(os.environ.get("RESILIENT_ATTEMPT") or 0)
 
 
 class Holder:
@@ -161,6 +164,8 @@ if mode == "foreign_parameter":  # as an optimizer built before fully_shard, whi
     opt = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(1))], lr=0.01)
 extra = {"nested": {1: "one"}} if mode == "int_key" else {"best": float("nan"), "pair": (1, 2)}
 stateful = {"holder": PerRank(Holder())} if mode == "unpicklable" else {}
+if mode == "dropped" and attempt == 1:  # declared by the first attempt only
+    stateful = {"late": PerRank(Late())}
 state = TrainState(model, opt, extra=extra, stateful=stateful)
 if mode == "save_before_resume":
     session.save(0, state)
@@ -169,12 +174,19 @@ if mode == "bare_before_resume":
 step = session.resume(state)
 if mode == "added_after_resume":
     state.stateful["late"] = PerRank(Late())
-while step < 4:
+while step < (8 if mode in ("ignore_stop", "dropped") else 4):
     step += 1
     state.step = step
     if mode == "tensor_count":
         state.tokens_seen += torch.tensor(8)
-    session.beat(step, model(torch.ones(1, 4)).pow(2).sum())
+    if mode == "ignore_stop" and step == 2 and session.rank == 0:
+        os.kill(os.getpid(), signal.SIGTERM)  # as a preemption's; the loop below never looks at stop_requested
+    if mode == "dropped" and attempt == 1 and step == 5:
+        session.ckpt.wait()  # step 4 committed
+        os._exit(3)
+    told = {"beat_backwards": 0 if step == 2 else step, "micro_steps": 2 * step}.get(mode, step)
+    for micro in range(2):  # two micro-batches, each beaten with the same step: counted once
+        session.beat(told, model(torch.ones(1, 4)).pow(2).sum())
     if session.should_save(step):
         session.save(step, state)
 sys.exit(session.finish(step, state))
@@ -191,6 +203,8 @@ sys.exit(session.finish(step, state))
     ("bare_before_resume", "stateful['late'] is a bare Late: declare how its state is spread over the ranks"),
     ("foreign_parameter", "cannot train: TrainState(model, optimizer): the optimizer holds a parameter that is not "
                           "one of model.parameters()"),
+    ("beat_backwards", "cannot run session.beat(): beat(0) came after beat(1): give it the training step"),
+    ("micro_steps", "cannot save step 2: save(2) came after beat(4): beat() and save() must count the same steps"),
 ])
 def test_a_misuse_of_the_library_ends_every_rank_with_exit_78_and_one_sentence(tmp_path, mode, says):
     """Each of these was a traceback and exit 1 (retried, as a passing fault would be), a hang, or a silent change
@@ -213,12 +227,47 @@ def test_a_misuse_of_the_library_ends_every_rank_with_exit_78_and_one_sentence(t
     assert not list((tmp_path / "ckpt").glob("step_*")) if (tmp_path / "ckpt").is_dir() else True
 
 
+def test_a_loop_that_ignores_an_agreed_stop_is_ended_at_its_next_step_with_that_step_saved(tmp_path):
+    """It saved every step after the stop (should_save says yes once stopping) until the supervisor's grace ran out
+    and killed the ranks as hung (audit)."""
+    import re
+
+    from supervisor import store
+
+    script = tmp_path / "ignore.py"
+    script.write_text(MISUSE)
+    with started(torchrun(script, "ignore_stop"), tmp_path, log=tmp_path / "out.log") as p:
+        rc = p.wait(120)
+        text = p.output()
+    codes = set(re.findall(r"exitcode\s+:\s*(-?\d+) \(pid", text))  # -15: torchrun ended the slower rank first
+    assert rc != 0 and "75" in codes and codes <= {"75", "-15"}, text[-3000:]
+    assert "the loop went on to step 3 after the ranks agreed to stop at step 2: ended there as finish() does" in text
+    assert [i.step for i in map(store.inspect, store.checkpoint_dirs(tmp_path / "ckpt")) if i.valid] == [2, 3], text
+
+
+def test_a_stateful_object_the_run_no_longer_declares_is_warned_of_on_the_console_and_in_status(tmp_path):
+    """It was restarted (a loader from its first batch) with one warning in rank 0's log (audit)."""
+    from tests.runs import resilient, status
+
+    (tmp_path / "dropped.py").write_text(MISUSE)
+    job = tmp_path / "job.yaml"
+    job.write_text("name: drop\nentrypoint: {script: dropped.py, args: [dropped]}\nnproc_per_node: 2\n"
+                   "checkpoint: {interval_steps: 2}\nrestart: {backoff_s: 0}\n")
+    with started(resilient("run", job), tmp_path, log=tmp_path / "sup.log") as sup:
+        assert sup.wait(120) == 0, sup.output()[-3000:]
+        out = sup.output()
+    says = "the checkpoint holds stateful 'late', which this run does not declare: not restored"
+    assert f"attempt 2: rank 0 warns: {says}" in out, out[-3000:]
+    doc = status(tmp_path / "runs" / "drop")
+    assert [n["attempt"] for n in doc["notes"]] == [2] and says in doc["notes"][0]["text"], doc["notes"]
+
+
 def test_a_script_that_never_calls_finish_is_not_reported_as_a_clean_finish(tmp_path):
     from tests.runs import resilient, status
 
     script = tmp_path / "nofinish.py"
     script.write_text(MISUSE.replace("sys.exit(session.finish(step, state))", "sys.exit(0)").replace(
-        "while step < 4:", "while step < 5:"))
+        'while step < (8 if mode in ("ignore_stop", "dropped") else 4):', "while step < 5:"))
     job = tmp_path / "job.yaml"
     job.write_text("name: nofin\nentrypoint: {script: nofinish.py, args: [plain]}\nnproc_per_node: 2\n"
                    "checkpoint: {interval_steps: 2}\n")

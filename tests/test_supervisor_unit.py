@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from supervisor.policy import LoadFailure, RestartPolicy
 from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat, write_heartbeat
 from supervisor.state import RunState
 from supervisor.watch import NO_HEARTBEAT, NO_PROGRESS, SAVE_TOO_LONG, SILENT, STARTUP, RankWatch
+from tests.proc import child_env
 from tests.runs import FakeHandle
 
 SUMMARY = """\
@@ -1000,6 +1002,33 @@ def test_retention_still_runs_when_the_disk_scan_announced_the_commit_before_ran
     assert sorted(p.name for p in cfg.checkpoint.dir.glob("step_*")) == [f"step_0000000{s}" for s in (40, 60, 80)]
     sup.on_checkpoint(CommitRecord(80, 0.0, 1.0, 1000), mine=True)  # once only
     assert capsys.readouterr().err == ""
+
+
+def test_rank_0s_warnings_reach_the_console_and_status_once_per_run(tmp_path, capsys):
+    """A loader dropped between runs was restarted with one warning in rank 0's log, which nobody reads (audit)."""
+    from supervisor.protocol import NoteRecord, StepLogReader, note_line
+    from supervisor.state import AttemptRecord
+    from supervisor.supervise import MAX_NOTES
+
+    log = tmp_path / "steps.jsonl"
+    log.write_text('{"step": 1, "t": 1.0}\n' + note_line(NoteRecord("the checkpoint holds stateful 'loader'", 2.0)))
+    records = StepLogReader(log).poll()
+    assert records[1] == NoteRecord("the checkpoint holds stateful 'loader'", 2.0)
+    sup, cfg = supervisor_over(tmp_path, keep=2, steps=())
+    sup.record.step = 7
+    for attempt in (1, 2):  # a relaunch repeats it: said once
+        sup.on_records(records[1:], AttemptRecord(attempt, 0.0, None))
+    err = capsys.readouterr().err
+    assert err.count("attempt 1: rank 0 warns: the checkpoint holds stateful 'loader'") == 1 and "attempt 2" not in err
+    assert sup.record.notes == [{"attempt": 1, "step": 7, "text": "the checkpoint holds stateful 'loader'"}]
+    for i in range(2 * MAX_NOTES):
+        sup.on_records([NoteRecord(f"note {i}", 3.0)], AttemptRecord(3, 0.0, None))
+    assert [n["text"] for n in sup.record.notes] == [f"note {i}" for i in range(MAX_NOTES, 2 * MAX_NOTES)]
+    from tests.runs import resilient, status
+
+    out = subprocess.run(resilient("status", cfg.run_dir), capture_output=True, text=True, env=child_env(), timeout=60)
+    assert f"warning   attempt 3: note {2 * MAX_NOTES - 1}" in out.stdout, out.stdout + out.stderr
+    assert status(cfg.run_dir)["notes"][-1]["text"] == f"note {2 * MAX_NOTES - 1}"
 
 
 def test_sigtstp_without_a_terminal_to_continue_the_supervisor_is_ignored_with_a_word(monkeypatch, capsys):

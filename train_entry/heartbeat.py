@@ -22,8 +22,10 @@ from supervisor.protocol import (
     NO_FINISH,
     CommitRecord,
     Heartbeat,
+    NoteRecord,
     SaveRecord,
     commit_line,
+    note_line,
     read_control,
     save_line,
     step_line,
@@ -137,6 +139,10 @@ class Beater:
                                  "blocking_s": (self.hb.last_save or {}).get("blocking_s")}
         self._append(commit_line(rec))
         self._wake.set()
+
+    def note(self, text: str) -> None:
+        """A warning for the supervisor's console (logged by the node's local rank 0; the caller logs it too)."""
+        self._append(note_line(NoteRecord(text, time.time())))
 
     def stop(self, **final: object) -> None:
         """Write the last heartbeat (with exit code and reason) and the remaining step lines, now."""

@@ -108,6 +108,9 @@ class Session:
         self._no_time_for: int | None = None  # the stop step whose checkpoint the ranks agreed the grace cannot fit
         self._finished: int | None = None
         self._resumed = False
+        self._train_state: TrainState | None = None  # the one resumed: finish() takes it when the loop ignores a stop
+        self._beat_step: int | None = None  # the last step beat() marked done
+        self._stop_step: int | None = None  # the step at which the ranks agreed to stop
 
     # ---- start --------------------------------------------------------------------------------------
 
@@ -348,18 +351,26 @@ class Session:
             log.info("startup: %s", ", ".join(f"{k} {v:.2f}" for k, v in self.startup.items()))
         self._warmup_until = (step or 0) + SYNC_WARMUP_STEPS
         self._state = state  # its layout sizes the staging arena once training runs (beat)
+        self._train_state = state
         self.beater.update(step=step or 0, resumed_from=step)
         self.beater.set_phase("train", now=True)
         return step or 0
 
     def _template(self, state: TrainState, keys: set[str]) -> dict[str, Any]:
         ignored = state.undeclared_stateful(keys)
-        if ignored and self.ctx.is_main:
-            log.warning("the checkpoint holds stateful %s, which this run does not declare: not restored",
-                        ", ".join(map(repr, ignored)))
-        if state.scheduler is None and any(k.startswith("scheduler.") for k in keys) and self.ctx.is_main:
-            log.warning("the checkpoint holds an LR scheduler, which this run does not have: not restored")
+        if ignored:
+            self._warn(f"the checkpoint holds stateful {', '.join(map(repr, ignored))}, which this run does not "
+                       "declare: not restored (a data loader starts over); declare it as it was saved")
+        if state.scheduler is None and any(k.startswith("scheduler.") for k in keys):
+            self._warn("the checkpoint holds an LR scheduler, which this run does not have: not restored")
         return state.template(self.rank, keys, world_size=self.world_size)
+
+    def _warn(self, text: str) -> None:
+        """A warning the user should see without reading rank 0's log: logged, and (rank 0) noted in the step log,
+        which the supervisor shows on its console and in `status`."""
+        if self.ctx.is_main:
+            log.warning("%s", text)
+            self.beater.note(text)
 
     def _gather(self, mine: Any) -> list[Any]:
         everyone: list[Any] = [None] * self.world_size
@@ -439,6 +450,10 @@ class Session:
         Returns the mean loss over all ranks of the last agreed window: the same on every rank, but for logging
         only, since which steps a window holds depends on the measured step time and the resume step (feed a
         scheduler such as ReduceLROnPlateau a loss you all-reduce yourself, or a resumed run will not match).
+
+        Called again with the same step (once per micro-batch of gradient accumulation), it checks and adds that
+        loss and nothing else: the step was marked done once. A step that goes back is refused (exit 78), and a
+        loop that goes on after the ranks agreed to stop ends here, as `finish()` would end it (exit 75).
         """
         self._require_resumed("beat")
         value = 0.0 if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
@@ -448,6 +463,15 @@ class Session:
         now = time.monotonic()
         self._window_loss += value * weight
         self._window_weight += weight
+        if step == self._beat_step:
+            return self._mean
+        if self._beat_step is not None and step < self._beat_step:
+            self._exit_config("run session.beat()", -1, f"beat({step}) came after beat({self._beat_step}): give it "
+                              "the training step, one more each optimizer step, the count save() gets",
+                              everyone_failed=True)
+        if self._stop_step is not None and step > self._stop_step:
+            self._end_ignored_stop(step)
+        self._beat_step = step
         self._window_steps += 1
         if self._window_start is None:
             self._window_start = now
@@ -472,7 +496,7 @@ class Session:
         self._window_loss = self._window_weight = 0.0
         self._window_steps, self._window_start = 0, done
         if t[2] > 0 and not self.stop_requested:
-            self.stop_requested = True
+            self.stop_requested, self._stop_step = True, step
             if self.ctx.is_main:
                 log.warning("stop requested (%s): stopping after step %d", self.stop.reason or "another rank",
                             step)
@@ -513,13 +537,17 @@ class Session:
         self._require_resumed("save")
         if step == self.last_saved_step:
             return None
+        if self._beat_step is not None and step < self._beat_step:  # micro-steps in beat(): lost steps, the interval
+            self._exit_config(f"save step {step}", -1, f"save({step}) came after beat({self._beat_step}): beat() and "
+                              "save() must count the same steps, the optimizer's (a micro-batch count in beat() "
+                              "misleads the supervisor's lost-step and interval accounting)", everyone_failed=True)
         if not self._params_compared:
             self._params_compared = True
             self._compare_plain_params(state, step)
         if state.step != step:  # the checkpoint of `step` must say `step`: a resume checks it and refuses otherwise
-            if self.ctx.is_main and not self._step_warned:
-                log.warning("save(%d) with state.step %d: the checkpoint records step %d (set state.step = step "
-                            "before saving)", step, state.step, step)
+            if not self._step_warned:
+                self._warn(f"save({step}) with state.step {state.step}: the checkpoint records step {step} (set "
+                           "state.step = step before saving)")
             self._step_warned = True
             state.step = step
         if self.stop_requested and step == self._no_time_for:  # agreed already (finish() asks again): once is enough
@@ -562,10 +590,9 @@ class Session:
                                   "only one rank's copy would be saved; declare it PerRank", everyone_failed=True)
         if not same[-1] and not self._position_warned:
             self._position_warned = True
-            if self.ctx.is_main:
-                log.warning("the training position (state.step, samples_seen, tokens_seen, extra) differs between "
-                            "the ranks at step %d: the checkpoint keeps rank 0's and a resume gives it to every "
-                            "rank; count them the same on every rank (global counts)", state.step)
+            self._warn(f"the training position (state.step, samples_seen, tokens_seen, extra) differs between the "
+                       f"ranks at step {state.step}: the checkpoint keeps rank 0's and a resume gives it to every "
+                       "rank; count them the same on every rank (global counts)")
         return sd
 
     def _grace_allows(self) -> bool:
@@ -581,6 +608,15 @@ class Session:
         return bool(t[0] > 0)
 
     # ---- the end ------------------------------------------------------------------------------------
+
+    def _end_ignored_stop(self, step: int) -> NoReturn:
+        """The loop went on past the step where the ranks agreed to stop: it would save every step (should_save says
+        yes once stopping) until the supervisor's grace ran out and it killed the ranks as hung. End it as finish()
+        does, with this step saved if the grace allows, and say so."""
+        self._warn(f"the loop went on to step {step} after the ranks agreed to stop at step {self._stop_step}: ended "
+                   "there as finish() does; break out of the loop when session.stop_requested is true")
+        assert self._train_state is not None  # beat() comes after resume()
+        sys.exit(self.finish(step, self._train_state))
 
     def finish(self, step: int, state: TrainState) -> int:
         """Save the final step (if not saved yet), wait for the save in flight, say goodbye.

@@ -194,6 +194,8 @@ class StatusResult:
             parts.extend(replication_lines(n, self.now, named=len(self.nodes) > 1))
         for q in self.quarantined():  # set aside: the user should know, and may delete them
             parts.append(Text(f"set aside step {q.get('step')} as {q.get('path')}: {q.get('reason')}", style="yellow"))
+        for note in rec.notes:  # rank 0's warnings: a restarted loader is silent in the numbers
+            parts.append(Text(f"warning   attempt {note.get('attempt')}: {note.get('text')}", style="yellow"))
         if rec.message and p.effective_state in (RunState.FAILED, RunState.STOPPED):
             parts.append(Text(rec.message, style="red" if p.effective_state is RunState.FAILED else "yellow"))
         if any(n.record.ranks for n in self.current):
