@@ -181,6 +181,22 @@ def test_status_plot_to_a_folder_or_into_a_missing_folder_is_one_sentence_and_cr
     assert not (tmp_path / "nowhere").exists()
 
 
+def test_status_plot_never_writes_over_the_run_it_reads(tmp_path, cli):
+    """Audit 6: `--plot` into the newest checkpoint's folder made it corrupt (gc would then delete it); over
+    state.json or a marker it destroyed them. Only a file that is a PNG already may be replaced."""
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=60, last_checkpoint_step=60, goodput=0.8)
+    newest = write_checkpoint(tmp_path / "checkpoints", 60)
+    before = {p: p.read_bytes() for p in [tmp_path / "state.json", *newest.iterdir()]}
+    for plot, words in ((newest / "plot.png", "inside the run's checkpoint root"),
+                        (tmp_path / "checkpoints" / "plot.png", "inside the run's checkpoint root"),
+                        (newest / store.MARKER, "inside the run's checkpoint root"),
+                        (tmp_path / "state.json", "exists and is not a PNG")):
+        r = cli("status", tmp_path, "--plot", plot)
+        assert r.exit_code == 2 and words in r.stderr and "Traceback" not in r.output, r.output
+    assert {p: p.read_bytes() for p in before} == before and not (newest / "plot.png").exists()
+    assert store.inspect(newest).valid
+
+
 def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
     _state_file(tmp_path, state=state.RunState.RUNNING)
     doc = json.loads(cli("status", tmp_path, "--json").stdout)

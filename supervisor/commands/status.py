@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -52,7 +53,8 @@ class StatusResult:
     run_dir: Path
     nodes: list[NodeStatus]
     now: float
-    outside_root: Path | None = None  # the checkpoint root, when it lies outside the run dir
+    root: Path  # the checkpoint root, as inspect-checkpoint and gc resolve it (the job's record, not the state file's)
+    root_note: str | None = None  # names a root outside the run dir or reached through a link
 
     def __post_init__(self) -> None:
         for n in self.nodes:  # a recorded path out of the run dir is refused by the text view too, which shows none
@@ -123,9 +125,9 @@ class StatusResult:
 
     @property
     def checkpoint_root(self) -> Path:
-        """Recorded relative to the run dir: resolved against where the run dir is now."""
-        return layout.resolved(self.primary.record.checkpoint_dir, self.run_dir,
-                               what=f"{self.run_dir}'s state file (checkpoint_dir)")
+        """The root every light command reads (targets.resolve): a state file that records another one (a hand edit,
+        a copied file) must not make `status` read a folder that inspect-checkpoint and gc do not (audit 6)."""
+        return self.root
 
     def quarantined(self) -> list[dict[str, Any]]:
         """Checkpoints set aside: those the supervisor records, then folders in the root it did not set aside
@@ -174,8 +176,8 @@ class StatusResult:
                           (f" (not valid on disk now: {gone})" if gone is not None else "", "yellow")),
             f"goodput   {timeline.summary_line((rec.accounting or {}).get('summary') or {})}",
         ]
-        if self.outside_root is not None:
-            lines.append(f"ckpt root {self.outside_root} (outside the run dir)")
+        if self.root_note is not None:
+            lines.append(self.root_note)
         ci = rec.checkpoint_interval
         if ci:
             lines.append(f"interval  {ci.get('steps')} steps ({ci.get('mode')}: {ci.get('why', '')})")
@@ -356,7 +358,7 @@ def collect(target: str | None) -> StatusResult:
         nodes.append(NodeStatus(n.record, n.node_dir, n.alive))
     for n, gone in zip(nodes, state.retired([(n.record, n.supervisor_alive) for n in nodes]), strict=True):
         n.retired = gone
-    return StatusResult(run_dir, nodes, time.time(), t.checkpoint_root if t.root_outside else None)
+    return StatusResult(run_dir, nodes, time.time(), t.checkpoint_root, t.root_note())
 
 
 def wait_for_ranks(target: str | None, timeout_s: float, poll_s: float = 0.2) -> StatusResult:
@@ -398,6 +400,30 @@ def _plot_path(plot: str) -> Path:
     return path
 
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _refuse_plot_over_the_run(plot: str, path: Path, target: str | None) -> None:
+    """`status` reads; its plot must not write over what it reads (audit 6: `--plot` into a checkpoint folder made
+    the newest checkpoint corrupt, and gc would then have deleted it; over state.json it destroyed the record). A
+    file may be replaced only if it is a PNG already (an earlier plot); nothing goes inside a checkpoint root."""
+    t = targets.resolve(target, reads_only=True)
+    real = Path(os.path.realpath(path))
+    for root in [t.checkpoint_root, *(r for _, r in targets.local_tiers(t))]:
+        if layout.inside(real, Path(os.path.realpath(root))):
+            raise UsageError(f"--plot {plot}: that is inside the run's checkpoint root {root}, where a file of its "
+                             "own would make a checkpoint corrupt; write the plot elsewhere.")
+    if path.exists():
+        try:
+            with open(path, "rb") as f:
+                png = f.read(len(PNG_MAGIC)) == PNG_MAGIC
+        except OSError:
+            png = False
+        if not png:
+            raise UsageError(f"--plot {plot}: that file exists and is not a PNG, so status does not write over it; "
+                             "pass a new file name.")
+
+
 def main(target: str | None, as_json: bool, watch: bool, *, plot: str | None = None,
          interval_s: float = 1.0, wait_ranks_s: float | None = None) -> int:
     plot_path = _plot_path(plot) if plot is not None else None
@@ -406,6 +432,7 @@ def main(target: str | None, as_json: bool, watch: bool, *, plot: str | None = N
     else:
         result = targets.once_there(lambda: collect(target), interval_s) if watch else collect(target)
     if plot_path is not None:
+        _refuse_plot_over_the_run(plot, plot_path, target)
         try:
             out = timeline.plot(result.primary.record, result.primary.node_dir, plot_path)
         except OSError as e:
