@@ -35,6 +35,13 @@ NNODES_RANGE_RE = re.compile(r"^(\d+):(\d+)$")
 DURATION_RE = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(ms|s|m|min|h)?\s*$")
 DURATION_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
+# The --rdzv-conf keys torch's rendezvous backends read (the sources of torch 2.7, 2.13 and 2.15; 2.15 reads
+# cas_backoff_max_seconds too): torchrun passes any other key on silently, so a typo (`jion_timeout`) would change
+# nothing. Said at `run`, not refused: a newer torch may read more.
+RDZV_CONF_KEYS = frozenset({
+    "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+    "keep_alive_max_attempt", "is_host", "read_timeout", "store_type", "cas_backoff_max_seconds", "timeout", "rank",
+    "protocol", "cert", "key", "cacert", "etcd_prefix", "ssl_cert", "ssl_cert_key", "ca_cert"})
 NPROC_WORDS = ("auto", "cpu", "gpu")
 VERIFY_MODES = ("size", "checksum")
 

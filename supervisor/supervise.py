@@ -519,7 +519,7 @@ class Supervisor:
         at = self.record.history[-1].step_at_failure if self.record.history else outcome.step
         rank_hint = f" (rank {outcome.failed_rank}'s stderr.log under it)" if outcome.failed_rank is not None else ""
         return self._end_failed(
-            f"resilient stopped the run: {why.rstrip('.')}. Attempt {spec.attempt} ended "  # DCP's texts end in a period
+            f"resilient stopped the run: {why.rstrip('.')}. Attempt {spec.attempt} ended "  # DCP's end in one
             f"{'before its first step' if at is None else f'at step {at}'}; "
             f"the newest valid checkpoint is {('step ' + str(newest.step)) if newest else 'none'}. "
             f"Look at {look}{rank_hint}, and `resilient status {self.cfg.run_dir}` for the history.")

@@ -126,6 +126,24 @@ def legacy_run_dir(run_dir: Path) -> None:
     (run_dir / "state.json").write_text(json.dumps(rec.to_dict()))
 
 
+def test_status_reads_the_checkpoint_root_inspect_and_gc_read_and_names_one_reached_through_a_link(tmp_path, cli):
+    """Audit 6: a state file recording another folder (a hand edit, a copied file) made status read that folder as the
+    run's, unnamed, while inspect-checkpoint and gc read job.json's; a linked root was named by gc, not by status."""
+    run_dir, elsewhere = tmp_path / "runs/mine", tmp_path / "elsewhere"
+    legacy_run_dir(run_dir)
+    write_checkpoint(elsewhere, 10)
+    doc = json.loads((run_dir / "state.json").read_text())
+    doc |= {"checkpoint_dir": str(elsewhere), "last_checkpoint_step": 60}
+    (run_dir / "state.json").write_text(json.dumps(doc))
+    status = json.loads(cli("status", run_dir, "--json").stdout)
+    assert status["checkpoint_dir"] == str(run_dir / "checkpoints") and status["last_checkpoint_step"] == 60, status
+    assert "not valid on disk now" not in cli("status", run_dir).stdout
+    shutil.move(run_dir / "checkpoints", elsewhere / "real")
+    (run_dir / "checkpoints").symlink_to(elsewhere / "real")
+    note = f"checkpoint root {run_dir / 'checkpoints'} (a link to {elsewhere / 'real'})"
+    assert note in cli("status", run_dir).stdout and note in cli("inspect-checkpoint", run_dir).stdout
+
+
 def test_a_copied_legacy_run_dir_never_follows_its_absolute_paths_back(tmp_path, cli):
     original, copy = tmp_path / "runs/mine", tmp_path / "archive/mine"
     legacy_run_dir(original)
@@ -157,7 +175,7 @@ def test_a_checkpoint_root_outside_the_run_dir_is_named_and_a_gone_one_is_one_se
     r = cli("gc", copy, "--keep", "1", "--json")
     assert r.stderr.strip() == f"resilient: {note}" and json.loads(r.stdout)["root"] == str(outside)
     assert note in cli("inspect-checkpoint", copy).stdout
-    assert f"ckpt root {outside} (outside the run dir)" in cli("status", copy).stdout
+    assert f"checkpoint root {outside} (outside the run dir" in cli("status", copy).stdout
     shutil.rmtree(outside)
     for command in (["inspect-checkpoint", copy], ["gc", copy, "--keep", "1"]):
         r = cli(*command)

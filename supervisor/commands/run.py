@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 
 from supervisor import prewarm, slurm, state
-from supervisor.config import NAME_RE, JobConfig, load_job
+from supervisor.config import NAME_RE, RDZV_CONF_KEYS, JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, UsageError
 from supervisor.fsutil import read_json, write_problem
@@ -251,8 +251,15 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
         if cfg.nnodes == "1" and cfg.rdzv.endpoint is None and cfg.rdzv.backend != "c10d":
             console.event(f"rdzv.backend {cfg.rdzv.backend} is not used: one node without rdzv.endpoint runs "
                           "torchrun --standalone", style="yellow")
+        real = Path(os.path.realpath(cfg.checkpoint.dir))
         if not inside(cfg.checkpoint.dir, cfg.run_dir):
             console.event(f"checkpoint root {cfg.checkpoint.dir} (outside the run dir, as checkpoint.dir says)")
+        elif real != Path(os.path.normpath(cfg.checkpoint.dir)):  # retention deletes there: say where that is
+            console.event(f"checkpoint root {cfg.checkpoint.dir}, reached through a link: {real}")
+        for key in sorted(set(cfg.rdzv.conf) - RDZV_CONF_KEYS):
+            console.event(f"rdzv.conf.{key} is not a key torch's rendezvous reads ({', '.join(sorted(RDZV_CONF_KEYS))}"
+                          "): passed to torchrun as given, where it does nothing unless your torch reads it",
+                          style="yellow")
         too_long = slurm.stop_outlasts_kill_wait(cfg.stop_timeout_s, slurm.kill_wait_s())
         if too_long:
             console.event(too_long, style="yellow")
