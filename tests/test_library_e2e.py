@@ -252,12 +252,13 @@ def test_a_stateful_object_the_run_no_longer_declares_is_warned_of_on_the_consol
     (tmp_path / "dropped.py").write_text(MISUSE)
     job = tmp_path / "job.yaml"
     job.write_text("name: drop\nentrypoint: {script: dropped.py, args: [dropped]}\nnproc_per_node: 2\n"
-                   "checkpoint: {interval_steps: 2}\nrestart: {backoff_s: 0}\n")
+                   "checkpoint: {interval_steps: 2}\nrestart: {backoff_s: 0}\nrdzv: {conf: {join_timeout: 9}}\n")
     with started(resilient("run", job), tmp_path, log=tmp_path / "sup.log") as sup:
         assert sup.wait(120) == 0, sup.output()[-3000:]
         out = sup.output()
     says = "the checkpoint holds stateful 'late', which this run does not declare: not restored"
     assert f"attempt 2: rank 0 warns: {says}" in out, out[-3000:]
+    assert "rdzv.conf is not used: one node without rdzv.endpoint runs torchrun --standalone" in out
     doc = status(tmp_path / "runs" / "drop")
     assert [n["attempt"] for n in doc["notes"]] == [2] and says in doc["notes"][0]["text"], doc["notes"]
 

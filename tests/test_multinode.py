@@ -42,7 +42,7 @@ def job_file(tmp_path: Path, port: int, *, sleep: float = 0.05, width: int = 64,
                  --test-log-samples, "{samples}"]
         nnodes: "1:2"
         nproc_per_node: 1
-        rdzv: {{endpoint: "127.0.0.1:{port}", conf: {{last_call_timeout: 3}}}}
+        rdzv: {{endpoint: "127.0.0.1:{port}", conf: {{last_call_timeout: 3, jion_timeout: 9}}}}  # a typo: warned of
         checkpoint: {{interval_steps: 20, keep: 4}}
         restart: {{backoff_s: 0.5, crash_loop_attempts: 5}}
         heartbeat: {{timeout_s: 30, startup_timeout_s: 180}}
@@ -224,6 +224,7 @@ def test_a_run_resumed_on_other_nodes_goes_on_where_the_old_ones_left_it(tmp_pat
         assert c.proc.wait(FINISH_TIMEOUT) == 0, c.proc.output()[-3000:]
         assert d.proc.wait(60) == 0, d.proc.output()[-3000:]
     assert "is new to this run dir: its history and goodput go on from node" in c.proc.output()
+    assert "rdzv.conf.jion_timeout is not a key torch's rendezvous reads" in c.proc.output()
     doc = status(tmp_path / "run")
     assert doc["state"] == "succeeded" and doc["attempt"] > attempts_before, (doc["state"], doc["attempt"])
     assert {n["node"]: n["retired"] for n in doc["nodes"]} == {"a": True, "b": True, "c": False, "d": False}

@@ -256,7 +256,10 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
             console.event(f"checkpoint root {cfg.checkpoint.dir} (outside the run dir, as checkpoint.dir says)")
         elif real != Path(os.path.normpath(cfg.checkpoint.dir)):  # retention deletes there: say where that is
             console.event(f"checkpoint root {cfg.checkpoint.dir}, reached through a link: {real}")
-        for key in sorted(set(cfg.rdzv.conf) - RDZV_CONF_KEYS):
+        if cfg.rdzv.conf and cfg.rdzv.endpoint is None:
+            console.event("rdzv.conf is not used: one node without rdzv.endpoint runs torchrun --standalone",
+                          style="yellow")
+        for key in sorted(set(cfg.rdzv.conf) - RDZV_CONF_KEYS) if cfg.rdzv.endpoint is not None else ():
             console.event(f"rdzv.conf.{key} is not a key torch's rendezvous reads ({', '.join(sorted(RDZV_CONF_KEYS))}"
                           "): passed to torchrun as given, where it does nothing unless your torch reads it",
                           style="yellow")
