@@ -627,7 +627,11 @@ def parse_override(text: str) -> Override:
     if NNODES_RANGE_RE.match(raw.strip()):
         return Override(key, raw.strip(), text)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        node = yaml.compose(raw, Loader=yaml.SafeLoader) if raw.strip() else None
+        if node is not None and _expanded_size(node) > MAX_NODES and not _holds_itself(node):  # aliases of aliases
+            raise ConfigError(f"--set {key}=…: the value expands to more than {MAX_NODES} values through its YAML "
+                              "aliases (&name ... *name); write the values out.")
+        value = "" if node is None else yaml.constructor.SafeConstructor().construct_document(node)
     except (yaml.YAMLError, ValueError, OverflowError, TypeError, RecursionError):  # `2024-13-45`, `!!int abc`
         raise ConfigError(f"--set {text}: the value is not valid YAML, or YAML cannot read it; quote it.") from None
     plain = raw.strip()
@@ -635,6 +639,41 @@ def parse_override(text: str) -> Override:
     if surprise := _yaml11_surprise(plain, tag, value):
         raise ConfigError(f"--set {text}: {surprise}")
     return Override(key, value, text)
+
+
+def _expanded_size(node: yaml.Node) -> int:
+    """How many values `node` holds with its aliases expanded, counted up to just past MAX_NODES (an alias of
+    itself, `&a [*a]`, counts without end)."""
+    count, stack = 0, [node]
+    while stack and count <= MAX_NODES:
+        count += 1
+        stack.extend(_children(stack.pop()))
+    return count
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [x for pair in node.value for x in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _holds_itself(node: yaml.Node) -> bool:
+    """An alias inside its own anchor (`&a [*a]`): a cycle in the composed graph (said as such where applied)."""
+    visiting, done = {id(node)}, set()
+    stack = [(node, iter(_children(node)))]
+    while stack:
+        parent, rest = stack[-1]
+        child = next(rest, None)
+        if child is None:
+            visiting.discard(id(parent))
+            done.add(id(parent))
+            stack.pop()
+        elif id(child) in visiting:
+            return True
+        elif id(child) not in done:
+            visiting.add(id(child))
+            stack.append((child, iter(_children(child))))
+    return False
 
 
 def _to_loc(value: Any, where: str) -> _Loc:

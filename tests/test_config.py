@@ -104,6 +104,11 @@ def test_odd_arguments_and_a_self_containing_alias_are_one_sentence(tmp_path, cl
     job = write(tmp_path, GOOD + "extra: &a [*a]\n")
     r = cli("run", job)
     assert r.exit_code == 2 and "refers to the node that contains it" in r.stderr and "Traceback" not in r.output
+    # The job file's limit on aliases of aliases holds for --set values too (audit 6: 12 s and 915 MB, then longer).
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdef", "bcdefg", strict=True)]
+    r = cli("run", write(tmp_path, GOOD), "--set", "env={" + ", ".join(levels) + "}")
+    assert r.exit_code == 2 and "expands to more than 100000 values" in r.stderr, r.output
     for port in ("99999", "-1"):
         r = cli("rdzv-store", "--port", port)
         assert r.exit_code == 2 and "a TCP port is 1 to 65535" in r.stderr, r.output
