@@ -134,6 +134,8 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False, reads_only: b
         step = int(name[5:14])
         return Target(given, _run_dir_of_root(path.parent), path.parent, step)
     if layout.looks_like_run_dir(path):
+        if not (path / layout.JOB_FILE).exists() and layout.state_files(path):  # no job record: the state's root
+            return Target(given, path, _root_from_state(path))
         try:
             return Target(given, path, layout.recorded_checkpoint_root(path))
         except UsageError as e:
