@@ -119,6 +119,12 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
     return Plan(kept, remove, spared)
 
 
+def named(removals: Sequence[Removal]) -> str:
+    """The folders removed, each invalid one with its reason (a valid one went for `keep`, as the line says)."""
+    return ", ".join(r.path.name if r.why.startswith("older than") else f"{r.path.name} ({r.why})"
+                     for r in sorted(removals, key=lambda r: r.path.name))
+
+
 @dataclass(frozen=True)
 class Applied:
     """What deleting a plan really did: only folders that are gone count as removed."""

@@ -202,9 +202,9 @@ class Supervisor:
         done = self._keep(lambda info: info.step <= chosen)
         if done is None:
             return
-        if done.removed:
-            self.console.event("removed " + ", ".join(r.path.name for r in done.removed) + f" (keep "
-                               f"{self.cfg.checkpoint.keep}: committed while no supervisor was running)")
+        if done.removed:  # the valid ones were committed while no supervisor ran (the ranks of a killed one)
+            self.console.event(f"before the first launch (keep {self.cfg.checkpoint.keep}): removed "
+                               f"{retention.named(done.removed)}")
         for r, why in done.failed:
             self.console.event(f"could not remove {r.path.name}: {why}", style="yellow")
 
@@ -403,7 +403,7 @@ class Supervisor:
         done = self._keep(lambda info: info.step <= commit.step)
         if done is None:
             return ""
-        removed = "; removed " + ", ".join(r.path.name for r in done.removed) if done.removed else ""
+        removed = "; removed " + retention.named(done.removed) if done.removed else ""
         return removed + "".join(f"; could not remove {r.path.name}: {why}" for r, why in done.failed)
 
     def on_tick(self) -> None:

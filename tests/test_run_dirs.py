@@ -524,12 +524,15 @@ def test_checkpoints_committed_while_no_supervisor_ran_are_trimmed_to_keep_befor
     run_dir = tmp_path / "run"
     for step in (10, 30, 50, 70, 90):
         write_checkpoint(run_dir / "checkpoints", step)
+    (run_dir / "checkpoints" / "step_000000040" / "__0_0.distcp").parent.mkdir()  # no marker: corrupt, said so
+    (run_dir / "checkpoints" / "step_000000040" / "__0_0.distcp").write_bytes(b"x")
     job = tmp_path / "job.yaml"
     job.write_text(JOB)
     monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: finished_attempt(steps=(100,)))
     r = cli("run", job, "--run-dir", run_dir)
     assert r.exit_code == 0, r.output
-    assert "removed step_000000010, step_000000030 (keep 3: committed while no supervisor was running)" in r.output
+    assert "before the first launch (keep 3): removed step_000000010, step_000000030, step_000000040 (corrupt: " \
+        in r.output, r.output  # audit 6: all three were said to be "committed while no supervisor was running"
     assert steps(run_dir / "checkpoints") == [50, 70, 90, 100]  # the fake attempt's own commit is not trimmed
 
 
