@@ -82,8 +82,8 @@ def state_files(run_dir: Path) -> list[Path]:
     """Every node's state file under a run dir (the single-node one first)."""
     found = [run_dir / STATE_FILE] if (run_dir / STATE_FILE).is_file() else []
     nodes = run_dir / NODES_DIR
-    if nodes.is_dir():
-        found += sorted(p for p in nodes.glob(f"*/{STATE_FILE}") if p.is_file())
+    if nodes.is_dir() and not nodes.is_symlink():  # a link to another run dir is not a node of this one (audit 6)
+        found += sorted(p for p in nodes.glob(f"*/{STATE_FILE}") if p.is_file() and not p.parent.is_symlink())
     return found
 
 

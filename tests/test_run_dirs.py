@@ -596,6 +596,32 @@ def test_a_folder_holding_other_things_is_refused_as_run_dir_and_nothing_is_writ
     assert steps(fresh / "checkpoints") == [20, 40, 60]
 
 
+def test_links_in_a_run_dir_never_take_its_files_or_another_runs_state_elsewhere(tmp_path, cli, monkeypatch):
+    """Audit 6: a `logs` link wrote the new attempt's logs into another run's folder, a `.resilient-owners` link took
+    the locks there, and a `nodes/<name>` link made status show another run as a node of this one."""
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", finished_attempt)
+    job = tmp_path / "demo.yaml"
+    job.write_text(JOB)
+    other = tmp_path / "other"
+    for folder in ("logs", "owners"):
+        (other / folder).mkdir(parents=True)
+    for link, target in (("logs", other / "logs"), ("checkpoints/.resilient-owners", other / "owners")):
+        run_dir = tmp_path / link.replace("/", "-")
+        (run_dir / link).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / link).symlink_to(target)
+        r = cli("run", job, "--run-dir", run_dir)
+        assert r.exit_code == 2 and f"{run_dir / link} is a link to {target}" in r.stderr, r.output
+        assert not list(target.iterdir()) and not (run_dir / "state.json").exists()
+    run_dir = tmp_path / "mn"
+    (run_dir / "nodes" / "a").mkdir(parents=True)
+    for folder, step in ((run_dir / "nodes" / "a", 10), (other, 12345)):
+        state.write(folder / "state.json", state.RunRecord(name="demo", run_dir=".", checkpoint_dir="checkpoints",
+                                                           node=folder.name, step=step))
+    (run_dir / "nodes" / "b").symlink_to(other)
+    doc = json.loads(cli("status", run_dir, "--json").stdout)
+    assert [n["step"] for n in doc.get("nodes", [])] in ([], [10]) and doc["step"] == 10, doc
+
+
 def test_status_and_logs_read_a_run_whose_job_record_is_damaged_gc_still_refuses(finished_run, cli):
     """A damaged job.json made status and logs exit 2 with a fix (pass the checkpoint root) that gave "no run
     here"; neither needs it. They read the run, saying once where its checkpoints are taken from; gc, which

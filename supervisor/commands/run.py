@@ -20,8 +20,17 @@ from supervisor.config import NAME_RE, RDZV_CONF_KEYS, JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, UsageError
 from supervisor.fsutil import read_json, write_problem
-from supervisor.layout import RUN_DIR_NAMES, STATE_FILE, RunLayout, inside, looks_like_run_dir
-from supervisor.lock import RootClaim, RunLock
+from supervisor.layout import (
+    HEARTBEATS_DIR,
+    LOGS_DIR,
+    RUN_DIR_NAMES,
+    STATE_FILE,
+    STEPS_DIR,
+    RunLayout,
+    inside,
+    looks_like_run_dir,
+)
+from supervisor.lock import OWNERS_DIR, RootClaim, RunLock
 
 OWN_PACKAGES = ("supervisor", "train_entry")
 
@@ -121,6 +130,20 @@ def check_run_dir_is_a_run_dir(cfg: JobConfig, layout: RunLayout, local: Path | 
         raise ConfigError(f"{run_dir}: the run dir already holds things that are not a run's ({shown}); nothing was "
                           "launched. A run dir is resilient's own folder: give the job a new or empty one (--run-dir, "
                           "or run_dir in the job file).")
+
+
+def check_no_links_out(cfg: JobConfig, layout: RunLayout, local: Path | None) -> None:
+    """The folders resilient writes a run's own files into are the run dir's, never another place a link leads
+    (audit 6: a `logs` link took the new attempt's logs into another run's, a `.resilient-owners` link took the
+    locks elsewhere). A linked checkpoint root is the user's choice of disk, and is named at the start."""
+    node_dir = layout.node_dir
+    own = [*((node_dir, node_dir.parent) if layout.node else ()), node_dir / LOGS_DIR, node_dir / HEARTBEATS_DIR,
+           node_dir / STEPS_DIR, *(root / OWNERS_DIR for root in (cfg.checkpoint.dir, local) if root is not None)]
+    for path in own:
+        if path.is_symlink():
+            raise ConfigError(f"{path} is a link to {os.path.realpath(path)}: resilient writes a run's own files only "
+                              "inside its run dir and checkpoint roots; replace the link with a folder (or give the "
+                              "run a run dir where you want them); nothing was launched.")
 
 
 def node_name(cfg: JobConfig, node: str | None) -> str | None:
@@ -232,6 +255,7 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     local = local_tier(cfg, layout)
     check_writable(cfg, layout, local)
     check_run_dir_is_a_run_dir(cfg, layout, local)
+    check_no_links_out(cfg, layout, local)
     check_same_job(cfg, layout)
     claims = [RootClaim(cfg.checkpoint.dir, cfg.run_dir)]
     if local is not None:  # a node's own: two nodes on one host (or a shared folder) must not take one local_dir
