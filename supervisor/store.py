@@ -779,10 +779,14 @@ def aside_path(folder: Path) -> Path:
     return folder.parent / f"{TRASH_PREFIX}{folder.name}.{time.time_ns()}"
 
 
+TRASH_RE = re.compile(r"^\.trash\..+\.[0-9]{10,}$")  # aside_path's names: a folder named so by someone else is theirs
+
+
 def trash_dirs(root: str | os.PathLike) -> list[Path]:
-    """Folders `commit` moved aside and did not get to delete (real folders: a link there leads elsewhere)."""
+    """Folders `commit` moved aside and did not get to delete (real folders: a link there leads elsewhere), by
+    aside_path's own names only (audit 6: gc removed a user's `.trash.keepme`)."""
     return [Path(e.path) for e in os.scandir(root)
-            if e.name.startswith(TRASH_PREFIX) and e.is_dir(follow_symlinks=False)]
+            if TRASH_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
 
 
 def keep_spare(folder: Path, root: Path, limit_bytes: int) -> int:

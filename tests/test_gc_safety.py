@@ -320,6 +320,20 @@ def test_saving_a_step_again_sets_an_unreadable_folder_of_that_step_aside_instea
     assert f"set aside step 200 as {aside.name}: an unreadable step_000000200" in r.stdout, r.stdout
 
 
+def test_gc_removes_the_folders_a_commit_moved_aside_and_no_folder_of_the_users_named_alike(tmp_path, cli):
+    """Audit 6: gc removed `.trash.keepme/important.txt`, a folder resilient never made."""
+    root = tmp_path / "ckpt"
+    for step in (20, 40):
+        write_checkpoint(root, step)
+    aside = store.aside_path(write_checkpoint(root, 10))
+    os.rename(root / store.step_dirname(10), aside)
+    (root / ".trash.keepme").mkdir()
+    (root / ".trash.keepme" / "important.txt").write_text("mine")
+    r = cli("gc", root, "--keep", "2")
+    assert r.exit_code == 0 and f"removed {aside.name}" in r.stdout, r.output
+    assert not aside.exists() and (root / ".trash.keepme" / "important.txt").read_text() == "mine"
+
+
 def test_gc_where_no_checkpoint_is_valid_removes_abandoned_partials_only(tmp_path, cli):
     """With nothing valid left, gc deleted every damaged checkpoint and exited 0: all that remained of the run's
     progress (a bit flipped in a shard can be salvaged by hand; a deleted folder cannot). They are spared, named
