@@ -726,12 +726,14 @@ def _apply_override(root: _Loc, ov: Override) -> None:
 # The loader
 
 
-def load_job(path: str | os.PathLike, overrides: Sequence[str | Override] = ()) -> JobConfig:
+def load_job(path: str | os.PathLike, overrides: Sequence[str | Override] = (), *, to_launch: bool = True) -> JobConfig:
     """Read, validate and normalise a job file.
 
     Args:
         path: the YAML job file.
         overrides: `--set KEY=VALUE` strings (or parsed `Override`s), applied before validation.
+        to_launch: check what only a launch needs (the entry script exists); the light commands, which find the
+            run dir and checkpoint root through the job file, pass False (a script moved after training).
 
     Returns:
         The frozen `JobConfig`, with absolute paths.
@@ -749,7 +751,7 @@ def load_job(path: str | os.PathLike, overrides: Sequence[str | Override] = ()) 
         except RecursionError:  # `&a [*a]`: a list that holds itself
             raise ConfigError(f"--set {ov.text}: the value refers to itself (&name ... *name) and never ends; write "
                               "it out.") from None
-    return build_job(root, path)
+    return build_job(root, path, to_launch=to_launch)
 
 
 def _read_job_file(path: Path, shown: str) -> str:
@@ -800,7 +802,7 @@ def _where(root: _Loc, dotted: str) -> str:
     return node.where
 
 
-def build_job(root: _Loc, path: Path) -> JobConfig:
+def build_job(root: _Loc, path: Path, *, to_launch: bool = True) -> JobConfig:
     values = _check_tree(root, SCHEMA, "")
     for key in REQUIRED:
         if key not in values:  # no line holds a missing key: name the file, not its first line
@@ -819,7 +821,7 @@ def build_job(root: _Loc, path: Path) -> JobConfig:
     if not ep.get("module") and not ep.get("script"):
         raise ConfigError(f"{ep_where}: entrypoint needs module (e.g. train_entry) or script (a .py path).")
     script = resolve(ep["script"]) if ep.get("script") else None
-    if script is not None and not script.is_file():
+    if script is not None and not script.is_file() and to_launch:
         where = _where(root, "entrypoint.script")
         what = "is a folder, not a Python file" if script.is_dir() else "does not exist"
         raise ConfigError(f"{where}: entrypoint.script {ep['script']!r} {what} (looked at {script}).")

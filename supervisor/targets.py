@@ -122,7 +122,7 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False, reads_only: b
     if path.is_file():
         from supervisor.config import load_job  # only job-file targets pay for YAML validation
 
-        job = load_job(path)
+        job = load_job(path, to_launch=False)
         if not layout.looks_like_run_dir(job.run_dir) and not _holds_checkpoints(job.checkpoint.dir):
             raise NotYetError(f"{given}: no run of this job yet (nothing in {job.run_dir}); start it with "
                               f"`resilient run {given}`.")

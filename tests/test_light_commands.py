@@ -197,6 +197,20 @@ def test_status_plot_never_writes_over_the_run_it_reads(tmp_path, cli):
     assert store.inspect(newest).valid
 
 
+def test_light_commands_through_a_job_file_whose_script_moved_since_the_run(tmp_path, cli):
+    """Audit 6: status, inspect-checkpoint, gc and logs refused the job file over its missing entry script, which
+    none of them runs; run still refuses it, with the line."""
+    job = tmp_path / "job.yaml"
+    job.write_text("name: tiny\nentrypoint: {script: moved_away.py}\nrun_dir: run\n")
+    _state_file(tmp_path / "run", state=state.RunState.SUCCEEDED, step=60, last_checkpoint_step=60)
+    write_checkpoint(tmp_path / "run" / "checkpoints", 60)
+    for command in (["status"], ["inspect-checkpoint"], ["gc", "--keep", "1", "--dry-run"]):
+        r = cli(*command[:1], job, *command[1:])
+        assert r.exit_code == 0 and "moved_away" not in r.output, (command, r.output)
+    r = cli("run", job)
+    assert r.exit_code == 2 and "job.yaml:2: entrypoint.script 'moved_away.py' does not exist" in r.stderr, r.output
+
+
 def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
     _state_file(tmp_path, state=state.RunState.RUNNING)
     doc = json.loads(cli("status", tmp_path, "--json").stdout)

@@ -333,7 +333,7 @@ def run_dir_of(target: str | None, overrides: list[str], *, must_exist: bool = T
                          "job file `resilient run` was given, or the run dir alone.")
     from supervisor.config import load_job  # only here: status otherwise never validates YAML
 
-    run_dir = load_job(target, overrides).run_dir
+    run_dir = load_job(target, overrides, to_launch=False).run_dir
     if must_exist and not layout.looks_like_run_dir(run_dir):
         raise UsageError(f"{target}: no run of this job in {run_dir} yet; start it with `resilient run {target}` "
                          "and the same options.")
