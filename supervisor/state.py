@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import math
 import time
 import types
@@ -248,9 +249,10 @@ class StateFileError(ValueError):
     """A state file this version cannot read; `damaged` when its bytes are no state file of any version (a machine
     that crashed mid-write), as against another version's file or one the filesystem would not give."""
 
-    def __init__(self, message: str, *, damaged: bool = False):
+    def __init__(self, message: str, *, damaged: bool = False, fix: str | None = None):
         super().__init__(message)
         self.damaged = damaged
+        self.fix = fix  # what to do, where the filesystem would not give the file (a link, no read access)
 
 
 def write(path: Path, record: RunRecord) -> None:
@@ -266,7 +268,10 @@ def read(path: Path) -> RunRecord:
     try:
         d = read_json(path)
     except OSError as e:
-        raise StateFileError(f"{path}: cannot be read ({e.strerror or e})") from None
+        fix = ("it is a link, which resilient does not follow: put the state file itself there"
+               if e.errno == errno.ELOOP else
+               "give this user read access to it" if e.errno in (errno.EACCES, errno.EPERM) else None)
+        raise StateFileError(f"{path}: cannot be read ({e.strerror or e})", fix=fix) from None
     except ValueError as e:
         raise StateFileError(f"{path}: not JSON ({e})", damaged=True) from None
     if not isinstance(d, dict) or d.get("schema_version") != SCHEMA_VERSION:

@@ -541,10 +541,10 @@ class Supervisor:
                 prev = state.read(self.layout.state_file)
             except state.StateFileError as e:
                 if not e.damaged:  # another resilient's record, or one the filesystem would not give: kept whole
-                    raise ConfigError(f"{e}; nothing was launched. Run it with the resilient that wrote it (or "
-                                      f"once it can be read), or move it aside (mv {self.layout.state_file} "
-                                      f"{self.layout.state_file}.old) to start this run dir's record afresh.") \
-                        from None
+                    fix = e.fix or "run it with the resilient that wrote it"
+                    raise ConfigError(f"{e}; nothing was launched. {fix[0].upper() + fix[1:]}, or move it aside "
+                                      f"(mv {self.layout.state_file} {self.layout.state_file}.old) to start this run "
+                                      "dir's record afresh.") from None
                 kept = self.layout.state_file.with_name(f"{self.layout.state_file.name}.unreadable.{int(time.time())}")
                 os.replace(self.layout.state_file, kept)  # damaged (a crash of the machine): kept, not overwritten
                 self.console.event(f"{e}: kept as {kept.name}; this run's history starts afresh (the checkpoints "

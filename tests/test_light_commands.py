@@ -211,6 +211,16 @@ def test_light_commands_through_a_job_file_whose_script_moved_since_the_run(tmp_
     assert r.exit_code == 2 and "job.yaml:2: entrypoint.script 'moved_away.py' does not exist" in r.stderr, r.output
 
 
+def test_a_state_file_that_is_a_link_is_named_as_one_not_as_another_versions(tmp_path, cli):
+    """Audit 6: "cannot be read (Too many levels of symbolic links); was it written by a newer resilient?"."""
+    _state_file(tmp_path / "elsewhere", state=state.RunState.SUCCEEDED, step=60)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "state.json").symlink_to(tmp_path / "elsewhere" / "state.json")
+    r = cli("status", tmp_path / "run")
+    assert r.exit_code == 2 and "it is a link, which resilient does not follow" in r.stderr, r.output
+    assert "newer resilient" not in r.stderr
+
+
 def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
     _state_file(tmp_path, state=state.RunState.RUNNING)
     doc = json.loads(cli("status", tmp_path, "--json").stdout)
