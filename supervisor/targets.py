@@ -50,6 +50,9 @@ class Target:
         root = self.checkpoint_root
         if root.is_dir():
             return root
+        if not self.root_outside and (root.exists() or root.is_symlink()):  # audit 6: "no checkpoints yet", gc 0
+            raise UsageError(f"{root} is not a folder, yet it is where {self.run_dir or 'this run'} keeps its "
+                             "checkpoints; move that file away (or restore the folder) and run the command again.")
         if self.root_outside:
             what = "is not a folder" if root.exists() else "does not exist"
             raise UsageError(f"{self.run_dir} records its checkpoint root as {root}, which {what}; "

@@ -221,6 +221,16 @@ def test_a_state_file_that_is_a_link_is_named_as_one_not_as_another_versions(tmp
     assert "newer resilient" not in r.stderr
 
 
+def test_a_checkpoint_root_inside_the_run_dir_that_is_a_file_is_one_sentence_not_no_checkpoints_yet(tmp_path, cli):
+    """Audit 6: inspect-checkpoint said "no checkpoints yet" (exit 1) and gc exited 0; outside the run dir: exit 2."""
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=60)
+    (tmp_path / "checkpoints").write_text("not a folder")
+    for command in (["inspect-checkpoint"], ["gc", "--keep", "1"]):
+        r = cli(command[0], tmp_path, *command[1:])
+        assert r.exit_code == 2 and "checkpoints is not a folder, yet it is where" in r.stderr, r.output
+    assert (tmp_path / "checkpoints").read_text() == "not a folder"
+
+
 def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
     _state_file(tmp_path, state=state.RunState.RUNNING)
     doc = json.loads(cli("status", tmp_path, "--json").stdout)
