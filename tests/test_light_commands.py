@@ -267,7 +267,7 @@ def test_status_says_which_local_steps_the_durable_tier_never_got(tmp_path, cli)
     so in the tiers line and in --json."""
     from supervisor.state import ReplicationState
 
-    rep = ReplicationState(str(tmp_path / "local"), str(tmp_path / "checkpoints"), newest_local=140,
+    rep = ReplicationState(str(tmp_path / "local"), "checkpoints", newest_local=140,
                            newest_local_at=time.time(), newest_durable=120, newest_durable_at=time.time() - 4,
                            pending=[140], replicated=3, superseded=2)
     _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=150, replication=rep.to_dict())
@@ -275,7 +275,12 @@ def test_status_says_which_local_steps_the_durable_tier_never_got(tmp_path, cli)
     assert "local step 140 · durable step 120 · lag 20 steps" in text
     # No supervisor runs: nothing is being copied (it said "copying"), and a failure is told in the past.
     assert "not copied yet [140] (`resilient run` again copies them) · 2 not copied (superseded)" in text
-    assert json.loads(cli("status", tmp_path, "--json").stdout)["replication"]["superseded"] == 2
+    replication = json.loads(cli("status", tmp_path, "--json").stdout)["replication"]
+    assert replication["superseded"] == 2 and replication["durable_root"] == str(tmp_path / "checkpoints")  # absolute
+    climbing = rep.to_dict() | {"local_root": "../../elsewhere"}  # a hand edit: refused, as by inspect and gc
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=150, replication=climbing)
+    r = cli("status", tmp_path)
+    assert r.exit_code == 2 and "'../../elsewhere', which leads out of the run dir" in r.stderr, r.output
     rep.failing_since, rep.last_error, rep.pending, rep.deleted_unreplicated = time.time(), "step 140: full", \
         [100, 140], [100]
     _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=150, replication=rep.to_dict())

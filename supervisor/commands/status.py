@@ -59,6 +59,7 @@ class StatusResult:
     def __post_init__(self) -> None:
         for n in self.nodes:  # a recorded path out of the run dir is refused by the text view too, which shows none
             self._history(n.record)
+            self._replication(n.record)
 
     @property
     def current(self) -> list[NodeStatus]:
@@ -101,6 +102,7 @@ class StatusResult:
             run_dir=str(self.run_dir),
             checkpoint_dir=str(self.checkpoint_root),
             history=self._history(rec),
+            replication=self._replication(rec),
         )
         if (gone := self.recorded_checkpoint_gone()) is not None:
             d["last_checkpoint_problem"] = gone
@@ -109,9 +111,19 @@ class StatusResult:
             d["nodes"] = [{"node": n.record.node, "state": n.effective_state.value,
                            "supervisor_alive": n.supervisor_alive, "attempt": n.record.attempt,
                            "restarts": n.record.restarts, "step": n.record.step,
-                           "replication": n.record.replication, "retired": n.retired,
+                           "replication": self._replication(n.record), "retired": n.retired,
                            "history": self._history(n.record)} for n in self.nodes]
         return d
+
+    def _replication(self, rec: RunRecord) -> dict[str, Any]:
+        """The tiers' record with its folders absolute, as checkpoint_dir is (audit 6: `durable_root` read
+        "checkpoints", which a script would resolve against its own folder; a `..` path was echoed)."""
+        out = dict(rec.replication or {})
+        for key in ("local_root", "durable_root"):
+            if isinstance(out.get(key), str) and out[key]:
+                out[key] = str(layout.resolved(out[key], self.run_dir,
+                                               what=f"{self.run_dir}'s state file (replication.{key})"))
+        return out
 
     def _history(self, rec: RunRecord) -> list[dict[str, Any]]:
         out = []
