@@ -35,6 +35,9 @@ NNODES_RANGE_RE = re.compile(r"^(\d+):(\d+)$")
 DURATION_RE = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(ms|s|m|min|h)?\s*$")
 DURATION_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
+# What torchrun sets in each rank's environment (with TORCHELASTIC_*): not for a job's `env`.
+TORCHRUN_SETS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                           "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
 # The --rdzv-conf keys torch's rendezvous backends read (the sources of torch 2.7, 2.13 and 2.15; 2.15 reads
 # cas_backoff_max_seconds too): torchrun passes any other key on silently, so a typo (`jion_timeout`) would change
 # nothing. Said at `run`, not refused: a newer torch may read more.
@@ -299,6 +302,9 @@ def _yaml_error(e: yaml.YAMLError, path: str) -> ConfigError:
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
     line = f":{mark.line + 1}" if mark is not None else ""
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    if "tag:yaml.org,2002:merge" in problem:  # `<<: *defaults`: the safe loader here reads no merge keys
+        return ConfigError(f"{path}{line}: YAML merge keys (<<:) are not read here; write the keys out in the "
+                           "mapping.")
     return ConfigError(f"{path}{line}: not valid YAML ({problem}); fix it there.")
 
 
@@ -782,8 +788,8 @@ def _read_job_file(path: Path, shown: str) -> str:
         except OSError as e:
             raise ConfigError(f"{shown}: cannot read the job file ({e.strerror or e}).") from None
     if len(data) > MAX_JOB_BYTES:  # /dev/zero, or a file that is not a job file
-        raise ConfigError(f"{shown}: is larger than {MAX_JOB_BYTES >> 20} MiB, which no job file is; pass the .yaml "
-                          "file.")
+        raise ConfigError(f"{shown}: is larger than {MAX_JOB_BYTES >> 20} MiB, which no job file is (a job file is a "
+                          "few KiB of YAML); pass the job file you mean.")
     try:
         return data.decode()
     except UnicodeDecodeError as e:
@@ -825,6 +831,11 @@ def build_job(root: _Loc, path: Path, *, to_launch: bool = True) -> JobConfig:
         where = _where(root, "entrypoint.script")
         what = "is a folder, not a Python file" if script.is_dir() else "does not exist"
         raise ConfigError(f"{where}: entrypoint.script {ep['script']!r} {what} (looked at {script}).")
+    for var in values.get("env", {}):  # audit 6: `env: {RANK: "7"}` was accepted, and did nothing or worse
+        if var in TORCHRUN_SETS or var.startswith(("TORCHELASTIC_", "RESILIENT_")):
+            who = "resilient hands it over" if var.startswith("RESILIENT_") else "torchrun sets it for each rank"
+            raise ConfigError(f"{_where(root, f'env.{var}')}: env.{var}: {who}, so a value here would be overridden or "
+                              "would break the launch; remove it.")
     shared = {"run_dir": values.get("run_dir"), "checkpoint.dir": values.get("checkpoint", {}).get("dir")}
     for key, written in shared.items():  # {node} is filled in checkpoint.local_dir alone
         if isinstance(written, str) and "{node}" in written:

@@ -92,9 +92,12 @@ class UnsupportedChecksum(Exception):
     """A marker names a checksum algorithm this machine cannot compute (its optional package is missing)."""
 
 
+MAX_STEP = 10**9 - 1  # the 9-digit layout's last
+
+
 def step_dirname(step: int) -> str:
     """`step_000000050` for step 50."""
-    if step < 0 or step >= 10**9:
+    if step < 0 or step > MAX_STEP:
         raise ValueError(f"step {step} does not fit the 9-digit layout")
     return f"step_{step:09d}"
 

@@ -149,7 +149,7 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False, reads_only: b
                 _said.add(path)
                 from supervisor import render
 
-                why = f" ({e.why})" if isinstance(e, layout.JobRecordError) else f": {e}"
+                why = f" ({e.why})" if isinstance(e, layout.JobRecordError) else f": {str(e).rstrip('.')}"
                 render.err.print(f"{path / layout.JOB_FILE} cannot be read{why}; the run is read with the checkpoint "
                                  f"root its state file records, {root}", highlight=False, soft_wrap=True, markup=False)
             return Target(given, path, root)

@@ -50,6 +50,9 @@ def test_inspect_exit_codes_follow_the_contract(zoo, cli, tmp_path):
     assert cli("inspect-checkpoint", zoo / "step_000000050").exit_code == 1
     r = cli("inspect-checkpoint", zoo, "--step", "999")
     assert r.exit_code == 1 and "no checkpoint for step 999" in r.stderr  # the contract: selected one not valid
+    for step in ("-1", "1000000000"):  # no checkpoint can have it: a usage error (audit 6: exit 1)
+        r = cli("inspect-checkpoint", zoo, "--step", step)
+        assert r.exit_code == 2 and f"--step {step}: a checkpoint's step is 0 to 999999999" in r.stderr, r.output
     empty = tmp_path / "empty"
     empty.mkdir()
     assert cli("inspect-checkpoint", empty).exit_code == 2  # no run, no checkpoints: like status and gc

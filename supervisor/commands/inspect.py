@@ -178,6 +178,9 @@ def _verify_progress(paths: list[Path]) -> Progress | None:
 
 
 def collect(target: str | None, step: int | None, verify: bool) -> InspectResult:
+    if step is not None and not 0 <= step <= store.MAX_STEP:  # a usage error, not "no checkpoint for step -1"
+        raise UsageError(f"--step {step}: a checkpoint's step is 0 to {store.MAX_STEP} (its folder is step_ and 9 "
+                         "digits); pass one of those `resilient inspect-checkpoint` lists.")
     t = targets.resolve(target, allow_checkpoint=True)
     if t.step is not None and step is not None and step != t.step:
         raise UsageError(f"{target} is the checkpoint of step {t.step}, not {step}: drop --step, or give the "
