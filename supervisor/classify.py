@@ -36,6 +36,7 @@ CONFIG = re.compile(
     r"ModuleNotFoundError|ImportError|SyntaxError|No module named|can't open file|"
     r"error: (?:unrecognized arguments|argument|the following arguments are required)"
 )
+NO_GPU = re.compile(r"ValueError: Cuda is not available")  # torchrun's determine_local_world_size, 2.7 to 2.15
 RENDEZVOUS = re.compile(r"RendezvousConnectionError|RendezvousClosedError|RendezvousTimeoutError|"
                         r"RendezvousStateError|DistStoreError|The connection to the C10d store has failed")
 NODE_LOST = re.compile(r"Connection closed by peer|Broken pipe|Connection reset by peer|Connection refused|"
@@ -165,6 +166,10 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
                                   exit_code=rc, step=step)
         if NODE_LOST.search(text):
             return AttemptOutcome(api.NODE_LOST, f"lost the rendezvous: {_last_line(text)}", exit_code=rc, step=step)
+        if NO_GPU.search(text):  # torchrun's own `--nproc-per-node gpu` on a node without one: every retry alike
+            return AttemptOutcome(api.CONFIG, "nproc_per_node is gpu, but torch sees no CUDA device on this node "
+                                  "(torchrun: Cuda is not available); set nproc_per_node to a number of ranks",
+                                  exit_code=rc, step=step)
         if CONFIG.search(text):
             return AttemptOutcome(api.CONFIG, _last_line(text), exit_code=rc, step=step)
         return AttemptOutcome(api.WORKER_EXIT, f"torchrun exited with code {rc}: {_last_line(text)}",

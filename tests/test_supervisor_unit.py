@@ -83,6 +83,13 @@ def test_a_long_last_log_line_is_cut_at_a_word_and_says_so():
     assert classify._last_line("short\n") == "short"
 
 
+def test_torchrun_finding_no_gpu_for_nproc_gpu_is_a_configuration_error_not_retried():
+    """Audit 6: `nproc_per_node: gpu` on a node without CUDA was relaunched until the restart budget ran out."""
+    text = "Traceback (most recent call last):\n  ...\nValueError: Cuda is not available.\n"
+    out = classify.classify(1, text, {})
+    assert out.reason == api.CONFIG and not out.retryable and "set nproc_per_node to a number" in out.detail
+
+
 @pytest.mark.parametrize("case, expect_reason, expect_rank", [
     ("peer", api.NODE_LOST, 1),
     ("sigkill", api.WORKER_SIGNAL, 1),
