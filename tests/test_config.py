@@ -341,6 +341,11 @@ def test_a_current_folder_that_shadows_resilient_or_is_gone_is_refused_before_an
         monkeypatch.chdir(where)
         result = cli("run", job, "--run-dir", tmp_path / "run")
         assert result.exit_code == 2 and f"{where / shadow} shadows resilient's own" in result.stderr, result.output
+    monkeypatch.chdir(tmp_path)  # audit 6: a job's PYTHONPATH shadowing it launched, and every attempt failed
+    path = f"env.PYTHONPATH=/nowhere:{tmp_path}/cwd-supervisor.py"
+    result = cli("run", job, "--run-dir", tmp_path / "run", "--set", path)
+    assert result.exit_code == 2 and "supervisor.py shadows resilient's own `supervisor` package: PYTHONPATH's" \
+        in result.stderr and "(from the job)" in result.stderr, result.output
     gone = tmp_path / "gone"
     gone.mkdir()
     monkeypatch.chdir(gone)

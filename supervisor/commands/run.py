@@ -35,23 +35,33 @@ from supervisor.lock import OWNERS_DIR, RootClaim, RunLock
 OWN_PACKAGES = ("supervisor", "train_entry")
 
 
-def check_cwd() -> None:
-    """The current folder is where torchrun's `-m` processes (resilient's own helpers among them) import from first:
-    a folder that is gone, or one holding a module named like one of resilient's packages, which every helper and
-    rank would import in place of it (a run that failed as a `config` error on every attempt), is refused."""
+def check_cwd(cfg: JobConfig) -> None:
+    """The current folder is where torchrun's `-m` processes (resilient's own helpers among them) import from first,
+    and PYTHONPATH's folders (the job's env, else this shell's) come before the installed packages: a folder that is
+    gone, or one holding a module named like one of resilient's packages, which every helper and rank would import
+    in place of it (a run that failed as a `config` error on every attempt), is refused."""
     try:
         cwd = Path(os.getcwd())
     except OSError as e:
         raise ConfigError(f"the current folder cannot be read ({e.strerror}): it was deleted or moved; cd into an "
                           "existing folder and run again.") from None
     installed = Path(__file__).resolve().parents[2]  # where both packages are (site-packages, or the checkout)
-    for name in OWN_PACKAGES:
-        ours = installed / name
-        for shadow in (cwd / name, cwd / f"{name}.py"):
-            if shadow.exists() and shadow.resolve() != ours:
-                raise ConfigError(f"{shadow} shadows resilient's own `{name}` package: every process of the run "
-                                  f"starts in {cwd} and would import it instead; run from another folder (the job "
-                                  "file and --run-dir may stay where they are).")
+    path = cfg.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    folders = [(cwd, None)] + [(cwd / p, p) for p in path.split(os.pathsep) if p]
+    for folder, entry in folders:
+        for name in OWN_PACKAGES:
+            ours = installed / name
+            for shadow in (folder / name, folder / f"{name}.py"):
+                if not shadow.exists() or shadow.resolve() == ours:
+                    continue
+                if entry is None:
+                    raise ConfigError(f"{shadow} shadows resilient's own `{name}` package: every process of the run "
+                                      f"starts in {cwd} and would import it instead; run from another folder (the "
+                                      "job file and --run-dir may stay where they are).")
+                raise ConfigError(f"{shadow} shadows resilient's own `{name}` package: PYTHONPATH's {entry} (from "
+                                  f"{'the job' if 'PYTHONPATH' in cfg.env else 'this shell'}) puts it first for "
+                                  "every process of the run; take that folder out of PYTHONPATH or rename the "
+                                  "module.")
 
 
 def check_entrypoint(cfg: JobConfig) -> None:
@@ -249,7 +259,7 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     from supervisor.supervise import Supervisor
 
     cfg = load_job(job, overrides)
-    check_cwd()
+    check_cwd(cfg)
     check_entrypoint(cfg)
     layout = RunLayout(cfg.run_dir, node_name(cfg, node))
     local = local_tier(cfg, layout)
