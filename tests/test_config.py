@@ -128,7 +128,7 @@ def test_odd_arguments_and_a_self_containing_alias_are_one_sentence(tmp_path, cl
 
 def test_a_node_name_that_is_not_a_folder_name_is_refused_before_anything_is_created(tmp_path, cli):
     path = write(tmp_path, GOOD)
-    for bad in ("../../escaped", "/tmp/abs", "..", "a\n"):
+    for bad in ("../../escaped", "/tmp/abs", "..", "a\n", ""):
         result = cli("run", path, "--node", bad)
         assert result.exit_code == 2 and "a node name is 1 to 100 letters" in result.stderr, result.output
     assert not (tmp_path / "runs").exists()

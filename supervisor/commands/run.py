@@ -158,6 +158,9 @@ def check_no_links_out(cfg: JobConfig, layout: RunLayout, local: Path | None) ->
 
 def node_name(cfg: JobConfig, node: str | None) -> str | None:
     """None for a single-node job (files directly in the run dir); else this node's name."""
+    if node == "":  # audit 6: taken for "no name given"; an empty RESILIENT_NODE is unset, as shells have it
+        raise UsageError("--node '': a node name is 1 to 100 letters, digits, '.', '_' or '-' (not only dots): it "
+                         "names the node's folder in the run dir; pass such a name, or leave --node out.")
     name = node or os.environ.get("RESILIENT_NODE")
     if name is None and cfg.nnodes == "1":
         return None
