@@ -245,17 +245,25 @@ def test_a_loop_that_ignores_an_agreed_stop_is_ended_at_its_next_step_with_that_
     assert [i.step for i in map(store.inspect, store.checkpoint_dirs(tmp_path / "ckpt")) if i.valid] == [2, 3], text
 
 
-def test_a_stateful_object_the_run_no_longer_declares_is_warned_of_on_the_console_and_in_status(tmp_path):
-    """It was restarted (a loader from its first batch) with one warning in rank 0's log (audit)."""
-    from tests.runs import resilient, status
+def supervised(tmp_path: Path, script: str, name: str, mode: str, more: str = "") -> str:
+    """`resilient run` of `script` (MISUSE's kind) in `mode` on 2 ranks, a checkpoint every 2 steps, `more` YAML
+    besides: its console, once it has exited 0."""
+    from tests.runs import resilient
 
-    (tmp_path / "dropped.py").write_text(MISUSE)
+    (tmp_path / f"{name}.py").write_text(script)
     job = tmp_path / "job.yaml"
-    job.write_text("name: drop\nentrypoint: {script: dropped.py, args: [dropped]}\nnproc_per_node: 2\n"
-                   "checkpoint: {interval_steps: 2}\nrestart: {backoff_s: 0}\nrdzv: {conf: {join_timeout: 9}}\n")
+    job.write_text(f"name: {name}\nentrypoint: {{script: {name}.py, args: [{mode}]}}\nnproc_per_node: 2\n"
+                   f"checkpoint: {{interval_steps: 2}}\n{more}")
     with started(resilient("run", job), tmp_path, log=tmp_path / "sup.log") as sup:
         assert sup.wait(120) == 0, sup.output()[-3000:]
-        out = sup.output()
+        return sup.output()
+
+
+def test_a_stateful_object_the_run_no_longer_declares_is_warned_of_on_the_console_and_in_status(tmp_path):
+    """It was restarted (a loader from its first batch) with one warning in rank 0's log (audit)."""
+    from tests.runs import status
+
+    out = supervised(tmp_path, MISUSE, "drop", "dropped", "restart: {backoff_s: 0}\nrdzv: {conf: {join_timeout: 9}}\n")
     says = "the checkpoint holds stateful 'late', which this run does not declare: not restored"
     assert f"attempt 2: rank 0 warns: {says}" in out, out[-3000:]
     assert "rdzv.conf is not used: one node without rdzv.endpoint runs torchrun --standalone" in out
@@ -264,17 +272,11 @@ def test_a_stateful_object_the_run_no_longer_declares_is_warned_of_on_the_consol
 
 
 def test_a_script_that_never_calls_finish_is_not_reported_as_a_clean_finish(tmp_path):
-    from tests.runs import resilient, status
+    from tests.runs import status
 
-    script = tmp_path / "nofinish.py"
-    script.write_text(MISUSE.replace("sys.exit(session.finish(step, state))", "sys.exit(0)").replace(
-        'while step < (8 if mode in ("ignore_stop", "dropped") else 4):', "while step < 5:"))
-    job = tmp_path / "job.yaml"
-    job.write_text("name: nofin\nentrypoint: {script: nofinish.py, args: [plain]}\nnproc_per_node: 2\n"
-                   "checkpoint: {interval_steps: 2}\n")
-    with started(resilient("run", job), tmp_path, log=tmp_path / "sup.log") as sup:
-        assert sup.wait(120) == 0, sup.output()[-3000:]
-        out = sup.output()
+    script = MISUSE.replace("sys.exit(session.finish(step, state))", "sys.exit(0)").replace(
+        'while step < (8 if mode in ("ignore_stop", "dropped") else 4):', "while step < 5:")
+    out = supervised(tmp_path, script, "nofin", "plain")
     assert "the ranks exited 0 without session.finish() at step 5" in out, out[-3000:]
     doc = status(tmp_path / "runs" / "nofin")
     assert doc["last_checkpoint_step"] == 4 and doc["history"][0]["lost_steps"] == 1, doc
