@@ -109,6 +109,16 @@ def read_json(path: str | os.PathLike) -> Any:
     return parse_json(read_regular(path), parse_constant=lambda _: None)
 
 
+def unreadable_fix(e: OSError) -> str | None:
+    """What to do about a run's own file that read_json could not give: a link (never followed), or no read access;
+    None where the error names nothing the user can mend by hand."""
+    if e.errno == errno.ELOOP:
+        return "it is a link, which resilient does not follow: put the file itself there"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "give this user read access to it"
+    return None
+
+
 def parse_json(data: bytes | str, **kwargs: Any) -> Any:
     """`json.loads`, where a document nested deeper than the interpreter recurses (`[[[…` a few thousand deep: a
     damaged or planted file) is a ValueError like any other malformed one, not a RecursionError no caller expects."""

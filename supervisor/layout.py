@@ -24,11 +24,10 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from errno import EACCES, ELOOP, EPERM
 from pathlib import Path
 
 from supervisor.errors import UsageError
-from supervisor.fsutil import read_json
+from supervisor.fsutil import read_json, unreadable_fix
 
 JOB_FILE = "job.json"
 STATE_FILE = "state.json"
@@ -147,9 +146,8 @@ def recorded_checkpoint_root(run_dir: Path) -> Path:
         return run_dir / CHECKPOINTS_DIR
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         why = e.strerror if isinstance(e, OSError) else f"not a job record: {e.__class__.__name__} {e}"
-        errno_ = e.errno if isinstance(e, OSError) else None
-        fix = ("it is a link, which resilient does not follow: put the file itself there, or " if errno_ == ELOOP
-               else "give this user read access to it, or " if errno_ in (EACCES, EPERM) else "")
+        fix = unreadable_fix(e) if isinstance(e, OSError) else None
+        fix = f"{fix}, or " if fix else ""
         raise JobRecordError(f"{path} cannot be read ({why}); it records where this run's checkpoints are: {fix}pass "
                              "the checkpoint root you mean as TARGET (`resilient run` on the run dir writes it "
                              "anew).", why) from None

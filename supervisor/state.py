@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import errno
 import math
 import time
 import types
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import layout, lock
-from supervisor.fsutil import atomic_write_json, read_json
+from supervisor.fsutil import atomic_write_json, read_json, unreadable_fix
 from supervisor.protocol import Heartbeat, last_logged_step
 
 SCHEMA_VERSION = 1
@@ -268,10 +267,7 @@ def read(path: Path) -> RunRecord:
     try:
         d = read_json(path)
     except OSError as e:
-        fix = ("it is a link, which resilient does not follow: put the state file itself there"
-               if e.errno == errno.ELOOP else
-               "give this user read access to it" if e.errno in (errno.EACCES, errno.EPERM) else None)
-        raise StateFileError(f"{path}: cannot be read ({e.strerror or e})", fix=fix) from None
+        raise StateFileError(f"{path}: cannot be read ({e.strerror or e})", fix=unreadable_fix(e)) from None
     except ValueError as e:
         raise StateFileError(f"{path}: not JSON ({e})", damaged=True) from None
     if not isinstance(d, dict) or d.get("schema_version") != SCHEMA_VERSION:
