@@ -53,8 +53,7 @@ class StatusResult:
     run_dir: Path
     nodes: list[NodeStatus]
     now: float
-    root: Path  # the checkpoint root, as inspect-checkpoint and gc resolve it (the job's record, not the state file's)
-    root_note: str | None = None  # names a root outside the run dir or reached through a link
+    target: targets.Target  # its checkpoint root as inspect-checkpoint and gc resolve it (job.json's, not state's)
 
     def __post_init__(self) -> None:
         for n in self.nodes:  # a recorded path out of the run dir is refused by the text view too, which shows none
@@ -139,7 +138,7 @@ class StatusResult:
     def checkpoint_root(self) -> Path:
         """The root every light command reads (targets.resolve): a state file that records another one (a hand edit,
         a copied file) must not make `status` read a folder that inspect-checkpoint and gc do not (audit 6)."""
-        return self.root
+        return self.target.checkpoint_root
 
     def quarantined(self) -> list[dict[str, Any]]:
         """Checkpoints set aside: those the supervisor records, then folders in the root it did not set aside
@@ -188,8 +187,8 @@ class StatusResult:
                           (f" (not valid on disk now: {gone})" if gone is not None else "", "yellow")),
             f"goodput   {timeline.summary_line((rec.accounting or {}).get('summary') or {})}",
         ]
-        if self.root_note is not None:
-            lines.append(self.root_note)
+        if (note := self.target.root_note()) is not None:  # outside the run dir, or reached through a link
+            lines.append(note)
         ci = rec.checkpoint_interval
         if ci:
             lines.append(f"interval  {ci.get('steps')} steps ({ci.get('mode')}: {ci.get('why', '')})")
@@ -370,7 +369,7 @@ def collect(target: str | None) -> StatusResult:
         nodes.append(NodeStatus(n.record, n.node_dir, n.alive))
     for n, gone in zip(nodes, state.retired([(n.record, n.supervisor_alive) for n in nodes]), strict=True):
         n.retired = gone
-    return StatusResult(run_dir, nodes, time.time(), t.checkpoint_root, t.root_note())
+    return StatusResult(run_dir, nodes, time.time(), t)
 
 
 def wait_for_ranks(target: str | None, timeout_s: float, poll_s: float = 0.2) -> StatusResult:
@@ -415,11 +414,10 @@ def _plot_path(plot: str) -> Path:
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _refuse_plot_over_the_run(plot: str, path: Path, target: str | None) -> None:
+def _refuse_plot_over_the_run(plot: str, path: Path, t: targets.Target) -> None:
     """`status` reads; its plot must not write over what it reads (audit 6: `--plot` into a checkpoint folder made
     the newest checkpoint corrupt, and gc would then have deleted it; over state.json it destroyed the record). A
     file may be replaced only if it is a PNG already (an earlier plot); nothing goes inside a checkpoint root."""
-    t = targets.resolve(target, reads_only=True)
     real = Path(os.path.realpath(path))
     for root in [t.checkpoint_root, *(r for _, r in targets.local_tiers(t))]:
         if layout.inside(real, Path(os.path.realpath(root))):
@@ -444,7 +442,7 @@ def main(target: str | None, as_json: bool, watch: bool, *, plot: str | None = N
     else:
         result = targets.once_there(lambda: collect(target), interval_s) if watch else collect(target)
     if plot_path is not None:
-        _refuse_plot_over_the_run(plot, plot_path, target)
+        _refuse_plot_over_the_run(plot, plot_path, result.target)
         try:
             out = timeline.plot(result.primary.record, result.primary.node_dir, plot_path)
         except OSError as e:
