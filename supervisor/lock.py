@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from supervisor.errors import ConfigError, RunLockedError, UsageError
-from supervisor.fsutil import open_regular
+from supervisor.fsutil import atomic_write_json, open_regular, read_json
 from supervisor.layout import LOCK_FILE
 
 
@@ -87,6 +87,7 @@ def holder(node_dir: str | os.PathLike) -> dict | None:
 
 
 OWNERS_DIR = ".resilient-owners"  # inside a checkpoint root: one lock file per run that writes there
+OWNER_FILE = "owner.json"  # in OWNERS_DIR: the job whose checkpoints the root holds (a local tier: and its durable one)
 
 
 class RootClaim:
@@ -98,14 +99,21 @@ class RootClaim:
     the node). Taking it, a supervisor first checks, under an exclusive lock on `claim.lock` so that two starting
     at the same instant are ordered, that no other run's file is held. The kernel drops the locks when a holder
     dies.
+
+    With `job`, the root also records whose checkpoints it holds (OWNER_FILE): the job's name and, for a local tier,
+    the durable root it is copied to. A root that holds checkpoints of another job, or a local tier that holds those
+    of another durable root, is refused even when no run holds it now (audit 7: a second job given the README's
+    `/local_nvme/{node}` resumed from the first job's weights without a word).
     """
 
     def __init__(self, root: str | os.PathLike, run_dir: str | os.PathLike, key: str = "checkpoint.dir",
-                 node: str | None = None):
+                 node: str | None = None, *, job: str | None = None, durable: str | os.PathLike | None = None):
         self.root = Path(root)
         self.run_dir = Path(os.path.realpath(run_dir))
         self.key = key  # the job-file key that names the root, for the sentence when it cannot be made
         self.node = node  # a node-local tier's: one node's alone, never shared with the run's other nodes
+        self.owner = None if job is None else {
+            "job": job, "durable_root": None if durable is None else os.path.realpath(durable)}
         self._fd: int | None = None
 
     def _name(self) -> str:
@@ -136,6 +144,8 @@ class RootClaim:
         try:
             fcntl.flock(mutex, fcntl.LOCK_EX)
             self.refuse_if_taken()
+            if self.owner is not None and self._recorded_owner() != self.owner:
+                atomic_write_json(owners / OWNER_FILE, self.owner, durable=False)
             fd = os.open(owners / self._name(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             fcntl.flock(fd, fcntl.LOCK_SH)
             info = json.dumps({"run_dir": str(self.run_dir), "pid": os.getpid(), "host": socket.gethostname(),
@@ -146,9 +156,37 @@ class RootClaim:
             os.close(mutex)  # closing drops the exclusive lock
         return self
 
+    def _recorded_owner(self) -> dict | None:
+        try:
+            doc = read_json(self.root / OWNERS_DIR / OWNER_FILE)
+        except (OSError, ValueError):
+            return None  # none yet (a root made before owners were recorded, or a new one): this run's from now
+        return doc if isinstance(doc, dict) else None
+
+    def refuse_if_foreign(self) -> None:
+        """ConfigError when the root holds checkpoints that another job wrote (a local tier: for another durable
+        root); creates nothing. An empty root, or one without a record (written before records were kept), is this
+        run's to take."""
+        recorded = self._recorded_owner() if self.owner is not None else None
+        if recorded is None or recorded == self.owner or not _holds_checkpoints(self.root):
+            return
+        assert self.owner is not None
+        if recorded.get("job") != self.owner["job"]:
+            whose = f"job {recorded.get('job')!r}"
+        elif self.node is not None and recorded.get("durable_root") != self.owner["durable_root"]:
+            whose = f"this job's run that copies them to {recorded.get('durable_root')}"
+        else:
+            return
+        example = f"/local_nvme/{self.owner['job']}/{{node}}" if self.node is not None else \
+            f"/shared/ckpt/{self.owner['job']}"
+        raise ConfigError(f"{self.root} holds checkpoints of {whose}, which this run would resume from as its own; "
+                          f"nothing was launched. Give this job its own {self.key} (a folder per job, e.g. {example}), "
+                          "or empty that one if its checkpoints are no longer wanted.")
+
     def refuse_if_taken(self) -> None:
         """RunLockedError naming the other live run that holds the root; creates nothing, so `resilient run` asks
         first, before it makes a new run dir that a refusal would leave behind (acquire asks again, ordered)."""
+        self.refuse_if_foreign()
         try:
             others = sorted((self.root / OWNERS_DIR).glob("*.lock"))
         except OSError:
@@ -199,3 +237,13 @@ def _held_by(path: Path) -> dict | None:
         return None
     finally:
         os.close(fd)
+
+
+def _holds_checkpoints(root: Path) -> bool:
+    """Whether `root` holds a checkpoint folder of any state (a step, a partial save, one set aside)."""
+    from supervisor import store  # imported when asked: lock is imported by light code that needs no store
+
+    try:
+        return bool(store.checkpoint_dirs(root, quarantined=True))
+    except OSError:
+        return False

@@ -623,6 +623,21 @@ def test_links_in_a_run_dir_never_take_its_files_or_another_runs_state_elsewhere
     assert [n["step"] for n in doc.get("nodes", [])] in ([], [10]) and doc["step"] == 10, doc
 
 
+def test_a_job_given_another_jobs_checkpoint_root_is_refused_and_nothing_there_is_touched(tmp_path, cli, monkeypatch):
+    """Audit 7: a job of another name pointed at a finished job's checkpoint.dir resumed from its step, and its
+    retention deleted that job's older steps."""
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", finished_attempt)
+    shared = tmp_path / "shared-ckpt"
+    for name in ("alpha", "beta"):
+        (tmp_path / f"{name}.yaml").write_text(JOB.replace("name: demo", f"name: {name}"))
+    r = cli("run", tmp_path / "alpha.yaml", "--run-dir", tmp_path / "alpha", "--set", f"checkpoint.dir={shared}")
+    assert r.exit_code == 0 and steps(shared) == [20, 40, 60], r.output
+    r = cli("run", tmp_path / "beta.yaml", "--run-dir", tmp_path / "beta", "--set", f"checkpoint.dir={shared}",
+            "--set", "checkpoint.keep=1")
+    assert r.exit_code == 2 and f"{shared} holds checkpoints of job 'alpha'" in r.stderr, r.output
+    assert steps(shared) == [20, 40, 60] and not (tmp_path / "beta").exists()
+
+
 def test_status_and_logs_read_a_run_whose_job_record_is_damaged_gc_still_refuses(finished_run, cli):
     """A damaged job.json made status and logs exit 2 with a fix (pass the checkpoint root) that gave "no run
     here"; neither needs it. They read the run, saying once where its checkpoints are taken from; gc, which

@@ -243,6 +243,46 @@ def test_two_nodes_of_one_run_cannot_claim_one_local_tier_and_each_refusal_names
     RootClaim(local, tmp_path / "run", "checkpoint.local_dir", node="b").acquire().release()
 
 
+def test_a_root_holding_another_jobs_checkpoints_is_refused_even_when_no_run_holds_it(tmp_path):
+    """Audit 7: job beta given job alpha's local_dir (the README's `/local_nvme/{node}`) resumed from alpha's weights,
+    and a third job copied alpha's step into its own durable tier; a job of another name took alpha's durable root
+    and its retention deleted alpha's steps. A root records whose checkpoints it holds."""
+    from supervisor.errors import ConfigError
+    from supervisor.lock import RootClaim
+
+    durable, local = tmp_path / "alpha-ckpt", tmp_path / "nvme" / "n1"
+    RootClaim(durable, tmp_path / "run-a", job="alpha").acquire().release()
+    RootClaim(local, tmp_path / "run-a", "checkpoint.local_dir", node="n1", job="alpha", durable=durable) \
+        .acquire().release()
+    for root in (durable, local):
+        write_checkpoint(root, 60)
+    says = (r"nvme/n1 holds checkpoints of job 'alpha', which this run would resume from as its own; nothing was "
+            r"launched\. Give this job its own checkpoint\.local_dir \(a folder per job, e\.g\. "
+            r"/local_nvme/beta/\{node\}\)")
+    with pytest.raises(ConfigError, match=says):
+        RootClaim(local, tmp_path / "run-b", "checkpoint.local_dir", node="n1", job="beta",
+                  durable=tmp_path / "beta-ckpt").refuse_if_taken()
+    with pytest.raises(ConfigError, match=r"alpha-ckpt holds checkpoints of job 'alpha'.*checkpoint\.dir"):
+        RootClaim(durable, tmp_path / "run-b", job="beta").acquire()
+    # The same job from a new run dir that copies to another durable root: the local tier is not its cache.
+    with pytest.raises(ConfigError, match=r"holds checkpoints of this job's run that copies them to .*alpha-ckpt"):
+        RootClaim(local, tmp_path / "run-c", "checkpoint.local_dir", node="n1", job="alpha",
+                  durable=tmp_path / "new-ckpt").acquire()
+    # A copy of the run dir sharing the outside durable root (same job) takes both, as before.
+    RootClaim(durable, tmp_path / "copy-of-run-a", job="alpha").acquire().release()
+    RootClaim(local, tmp_path / "copy-of-run-a", "checkpoint.local_dir", node="n1", job="alpha", durable=durable) \
+        .acquire().release()
+    # Emptied, or never recorded (written before records were kept): the new job's to take, and recorded.
+    shutil.rmtree(local / store.step_dirname(60))
+    RootClaim(local, tmp_path / "run-b", "checkpoint.local_dir", node="n1", job="beta", durable=tmp_path / "b") \
+        .acquire().release()
+    legacy = tmp_path / "legacy"
+    write_checkpoint(legacy, 20)
+    RootClaim(legacy, tmp_path / "run-b", job="beta").acquire().release()
+    with pytest.raises(ConfigError, match="holds checkpoints of job 'beta'"):
+        RootClaim(legacy, tmp_path / "run-a", job="alpha").acquire()
+
+
 @pytest.mark.parametrize("direct", [False, True])
 def test_a_file_written_over_a_spare_holds_exactly_the_new_bytes_and_never_writes_through_a_link(tmp_path, direct):
     """HashedFile(reuse=True) writes over a longer old file (its pages reused) and cuts the tail; a spare that is

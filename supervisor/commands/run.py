@@ -270,9 +270,10 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
     check_run_dir_is_a_run_dir(cfg, layout, local)
     check_no_links_out(cfg, layout, local)
     check_same_job(cfg, layout)
-    claims = [RootClaim(cfg.checkpoint.dir, cfg.run_dir)]
+    claims = [RootClaim(cfg.checkpoint.dir, cfg.run_dir, job=cfg.name)]
     if local is not None:  # a node's own: two nodes on one host (or a shared folder) must not take one local_dir
-        claims.insert(0, RootClaim(local, cfg.run_dir, "checkpoint.local_dir", node=layout.node_name))
+        claims.insert(0, RootClaim(local, cfg.run_dir, "checkpoint.local_dir", node=layout.node_name, job=cfg.name,
+                                   durable=cfg.checkpoint.dir))
     for claim in claims:  # another live run's root: refused before a new run dir is made for nothing
         claim.refuse_if_taken()
     for claim in claims:  # a root the filesystem refuses (a FUSE mount): before the run dir's lock is made
