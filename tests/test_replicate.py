@@ -594,6 +594,20 @@ def test_a_commit_shows_in_the_lag_at_once_not_after_the_next_copy(tmp_path):
     assert (snap["newest_local"], snap["lag_steps"], snap["pending"]) == (20, 20, [10, 20])
 
 
+def test_the_lag_in_seconds_is_between_the_saves_not_from_the_durable_copys_publish(tmp_path):
+    """Audit 7: `lag 100 steps, 4.7s` while the newest durable step had been saved 16 s earlier: its time was the
+    publish's, late by the copy."""
+    saved = store.inspect(local_checkpoint(tmp_path / "local-a", 10, "a", ranks={"a": [0, 1]})).created_at
+    r = replicator(tmp_path, "a")
+    r._replicate(10)
+    assert r.state.newest_durable_at == saved
+    durable = store.inspect(tmp_path / "durable" / store.step_dirname(10))
+    assert durable.valid and durable.manifest.extra["saved_at"] == saved and durable.created_at > saved
+    r2 = replicator(tmp_path, "a")
+    r2._refresh()  # a restarted supervisor reads it from the durable copy
+    assert r2.state.newest_durable_at == saved
+
+
 def test_steps_queued_again_from_a_stale_newest_durable_step_are_not_pending_at_the_end(tmp_path):
     """The periodic look queued local steps 10 and 20 again from the newest durable step it last saw, and the
     supervisor stopped before the thread took them: step 30, durable meanwhile, supersedes them. A node whose tiers
