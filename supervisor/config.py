@@ -432,8 +432,13 @@ def _string(pattern: re.Pattern[str], described: str) -> Check:
 
 
 def _path(loc: _Loc, key: str) -> str:
+    if isinstance(loc.value, dict) and list(loc.value) == ["node"]:  # `{node}` unquoted: YAML reads a mapping
+        raise _fail(loc, key, "a path; quote one that begins with {node} (\"{node}/ckpt\"), which YAML reads as a "
+                              "mapping")
     if not isinstance(loc.value, str) or not loc.value.strip():
         raise _fail(loc, key, "a path (a non-empty string)")
+    if key == "checkpoint.local_dir" and (odd := set(re.findall(r"\{[^{}]*\}", loc.value)) - {"{node}"}):
+        raise _fail(loc, key, f"a path in which {{node}} is the one name filled in (not {', '.join(sorted(odd))})")
     if "\x00" in loc.value:
         raise _fail(loc, key, "a path without a NUL character")
     try:
