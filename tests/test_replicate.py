@@ -294,6 +294,23 @@ def test_a_part_of_an_earlier_save_of_the_same_step_is_never_published_with_a_ne
         assert (final / name).read_bytes() == new.read_bytes(), name
 
 
+def test_a_step_saved_again_by_fewer_nodes_publishes_without_the_earlier_saves_files(tmp_path):
+    """Audit 7: after an elastic shrink the surviving node saved step 80 again at a smaller world; node b's files of
+    the earlier save, left in the durable partial, failed every publish ("unlisted files"), reported as a failing
+    durable tier, and the step never reached it."""
+    for node in NODES:
+        local_checkpoint(tmp_path / f"local-{node}", 80, node)
+    replicator(tmp_path, "b")._replicate(80)  # b's part of the bigger world's save, then b was lost
+    shutil.rmtree(tmp_path / "local-a")
+    local_checkpoint(tmp_path / "local-a", 80, "a", ranks={"a": [0, 1]}, salt="-alone")
+    a = replicator(tmp_path, "a")
+    a._replicate(80)
+    final = tmp_path / "durable" / store.step_dirname(80)
+    assert store.inspect(final, deep=True).valid and a.state.failing_since is None
+    assert sorted(p.name for p in final.iterdir() if p.name != store.MARKER) == \
+        sorted(p.name for p in (tmp_path / "local-a" / store.step_dirname(80)).iterdir() if p.name != store.MARKER)
+
+
 def test_a_step_saved_again_after_a_rollback_replaces_its_durable_copy(tmp_path):
     """A NaN after step 20 rolls the job back below it; step 20 is saved again, other bytes. The durable step 20
     is the one the NaN followed: the new save replaces it once every node's part is there (it was taken for
