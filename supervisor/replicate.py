@@ -646,6 +646,9 @@ class Replicator:
                 self.state.deleted_unreplicated.append(r.step)
                 self.announce(f"deleting local step {r.step}, which has no durable copy: the durable tier has been "
                               f"failing for {time.time() - (self.state.failing_since or 0):.0f}s", "red")
+            with self._lock:  # gone, so neither pending nor, later, "superseded" (audit 7: both counted them)
+                self._queue.difference_update(r.step for r in held)
+                self._handled.update(r.step for r in held)
             plan = retention.Plan(plan.kept, plan.remove + held, plan.spared)
         if plan.remove:
             newest = plan.kept[-1].manifest if plan.kept else None

@@ -119,8 +119,10 @@ def test_an_unwritable_durable_tier_is_retried_and_reported_and_local_copies_are
         r.state.failing_since -= 7200  # past the outage limit: unreplicated ones may go, said loudly
         r._local_retention()
         assert [i.step for i in store.scan(tmp_path / "local-a")] == [30] and r.state.deleted_unreplicated == [10, 20]
+        assert r.snapshot()["pending"] == [30]  # audit 7: the deleted ones were still listed as to be copied
     finally:
         r.stop()
+    assert r.state.superseded == 0  # nor counted, at the end, as superseded
 
 
 def test_a_step_with_nothing_to_write_is_no_news_that_a_failing_durable_tier_works_again(tmp_path):
