@@ -585,7 +585,7 @@ class Replicator:
             _drop_unvouched(partial, step, set(records))
             extra = {k: v for k, v in manifest.extra.items() if k not in ("tier", "node")}
             extra["tier"] = "durable"
-            extra["saved_at"] = saved_at = saved_time(manifest.created_at, manifest.extra)
+            extra["saved_at"] = saved_at = store.saved_time(manifest.created_at, manifest.extra)
             store.publish(partial, step, manifest.world_size, list(records.values()), extra,
                           manifest.checksum_algorithm)
         with self._lock:  # what status and the exit see, before this step leaves the queue
@@ -665,15 +665,8 @@ class Replicator:
                 newest = max(durable)
                 info = durable[newest]
                 self.state.newest_durable = newest
-                self.state.newest_durable_at = saved_time(info.created_at, info.manifest.extra if info.manifest else {})
-
-
-def saved_time(created_at: float | None, extra: dict[str, Any]) -> float | None:
-    """When a checkpoint was saved: a durable copy records its local save's time (`saved_at`), its own `created_at`
-    being when it was published. The lag status shows is between saves (audit 7: from the publish, `lag 100 steps,
-    4.7s` hid the 16 s of training that only the local tier held)."""
-    saved = extra.get("saved_at")
-    return float(saved) if isinstance(saved, (int, float)) and not isinstance(saved, bool) else created_at
+                extra = info.manifest.extra if info.manifest else {}
+                self.state.newest_durable_at = store.saved_time(info.created_at, extra)
 
 
 def _drop_unvouched(partial: Path, step: int, vouched: set[str]) -> None:

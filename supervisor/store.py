@@ -501,6 +501,14 @@ class PartialCheckpoint:
 RESERVED = frozenset({WRITER_LOCK, ".commit.lock", ".parts"})  # bookkeeping in a partial folder, never data
 
 
+def saved_time(created_at: float | None, extra: dict[str, Any]) -> float | None:
+    """When a checkpoint was saved: a durable copy records its local save's time in `saved_at` (its own `created_at`
+    is when the replicator published it). The replication lag is between saves (audit 7: from the publish, `lag 100
+    steps, 4.7s` hid the 16 s of training that only the local tier held)."""
+    saved = extra.get("saved_at")
+    return float(saved) if isinstance(saved, (int, float)) and not isinstance(saved, bool) else created_at
+
+
 def publish(partial: Path, step: int, world_size: int, records: Sequence[FileRecord],
             extra: dict[str, Any] | None = None, algorithm: str = CHECKSUM_ALGORITHM) -> Path:
     """Write the marker last and rename `partial` to `step_<N>` beside it; returns the committed folder.

@@ -265,6 +265,21 @@ def test_status_of_a_killed_supervisors_tiered_run_counts_the_stop_checkpoint_it
     assert "not copied yet [760]" in cli("status", tmp_path).stdout
 
 
+def test_status_of_an_ended_tiered_run_gives_the_durable_step_on_disk_not_the_recorded_one(tmp_path, cli):
+    """Audit 7: after `gc --verify` removed a corrupt durable step 120, status still said `local step 120 · durable
+    step 120 · up to date`."""
+    from supervisor.state import ReplicationState
+
+    for step in (100, 120):
+        write_checkpoint(tmp_path / "checkpoints", step)
+    shutil.rmtree(tmp_path / "checkpoints" / store.step_dirname(120))  # gone since the supervisor last wrote
+    rep = ReplicationState(str(tmp_path / "local"), "checkpoints", newest_local=120, newest_local_at=time.time(),
+                           newest_durable=120, newest_durable_at=time.time())
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=120, replication=rep.to_dict())
+    assert "local step 120 · durable step 100 · lag 20 steps" in cli("status", tmp_path).stdout
+    assert json.loads(cli("status", tmp_path, "--json").stdout)["replication"]["newest_durable"] == 100
+
+
 def test_status_says_which_local_steps_the_durable_tier_never_got(tmp_path, cli):
     """A durable tier slower than the saves: the replicator copied the newest and skipped the rest; status says
     so in the tiers line and in --json."""

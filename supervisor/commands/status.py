@@ -336,6 +336,24 @@ def _settle_local_tier(rec: RunRecord, run_dir: Path) -> store.CheckpointInfo | 
     return valid[-1]
 
 
+def _settle_durable_tier(rec: RunRecord, root: Path) -> None:
+    """With no supervisor to say it, the tiers line's durable step is the newest valid one on disk, not the one last
+    recorded (audit 7: after `gc --verify` removed a corrupt durable step 120, status still said `durable step 120 ·
+    up to date`)."""
+    if not rec.replication or not root.is_dir():
+        return
+    newest = store.latest_valid(root)
+    step = newest.step if newest is not None else None
+    if step == rec.replication.get("newest_durable"):
+        return
+    fields = {k: v for k, v in rec.replication.items() if k in ReplicationState.__dataclass_fields__}
+    tiers = ReplicationState(**fields)
+    tiers.newest_durable = step
+    tiers.newest_durable_at = None if newest is None else \
+        store.saved_time(newest.created_at, newest.manifest.extra if newest.manifest else {})
+    rec.replication = tiers.to_dict()
+
+
 def run_dir_of(target: str | None, overrides: list[str], *, must_exist: bool = True) -> str:
     """The run dir `resilient run TARGET` with these `--set`s (and `--run-dir`) uses: what a batch script that
     started the run asks about afterwards, without resolving the job file itself."""
@@ -366,6 +384,8 @@ def collect(target: str | None) -> StatusResult:
             raise (NotYetError if damaged else UsageError)(f"{n.error}; {why}")  # --wait-ranks waits out a damaged one
         if not n.alive and not n.record.state.final:
             settle_orphan(n.record, n.node_dir, t.checkpoint_root, run_dir)
+        if not n.alive:
+            _settle_durable_tier(n.record, t.checkpoint_root)
         nodes.append(NodeStatus(n.record, n.node_dir, n.alive))
     for n, gone in zip(nodes, state.retired([(n.record, n.supervisor_alive) for n in nodes]), strict=True):
         n.retired = gone
