@@ -630,6 +630,10 @@ def test_nodes_the_run_went_on_without_are_retired_and_do_not_count(tmp_path, cl
     assert doc["state"] == "succeeded"
     assert {n["node"]: n["retired"] for n in doc["nodes"]} == {"a": True, "b": True, "c": False, "d": False}
     assert {r["node"] for r in doc["ranks"]} == {"c", "d"}
+    # The top level is one node's view: its history says whose (audit 7: the entries named no node).
+    assert [h["node"] for h in doc["history"]] == [next(n["node"] for n in doc["nodes"] if n["history"] ==
+                                                        doc["history"])]
+    assert all(h["node"] == n["node"] for n in doc["nodes"] for h in n["history"])
     assert "retired: the run went on without it" in cli("status", run_dir).stdout
     shutil.rmtree(run_dir / "nodes" / "c")
     shutil.rmtree(run_dir / "nodes" / "d")

@@ -128,6 +128,8 @@ class StatusResult:
         out = []
         for h in rec.history:
             h = h.to_dict()
+            if rec.node is not None:  # which node's attempt: the top level is one node's view (audit 7)
+                h["node"] = rec.node
             if h.get("log_dir"):
                 h["log_dir"] = str(layout.resolved(h["log_dir"], self.run_dir,
                                                    what=f"{self.run_dir}'s state file (history log_dir)"))
