@@ -166,3 +166,36 @@ def test_the_interval_rises_with_the_save_cost_and_never_divides_by_a_zero_step_
     tuner.step_dts.extend([0.0] * 10)
     tuner.costs.append(0.01)
     assert tuner.choose(100.0, 0, None).steps == 10_000  # bounded by max_steps, not a ZeroDivisionError
+
+
+def test_beat_counts_optimizer_steps_and_refuses_a_count_that_goes_back_or_outruns_save(monkeypatch):
+    """A repeated step (one beat per micro-batch) adds its loss and marks nothing; a step that goes back, or a save
+    below the last step beaten (a micro-batch count in beat()), ends every rank with exit 78 and one sentence (audit 5:
+    lost steps and the `auto` interval were skewed without a word). The exit itself, under real torchrun, is
+    test_library_e2e's misuse test."""
+    from types import SimpleNamespace
+
+    from train_entry import session as session_mod
+    from train_entry.session import Session
+
+    said: list[str] = []
+
+    def ended(beater, doing, problem, *, destroy_group):
+        said.append(f"cannot {doing}: {problem}")
+        raise SystemExit(78)
+
+    monkeypatch.setattr(session_mod, "end_as_config", ended)
+    s = Session.__new__(Session)
+    s.__init__(SimpleNamespace(), SimpleNamespace(world_size=2, rank=0, is_main=True), SimpleNamespace(),
+               SimpleNamespace(raise_if_failed=lambda: None), SimpleNamespace(), interval=10, seed=0, grace_s=1.0)
+    s._resumed, s._beat_step, s._mean = True, 4, 0.5
+    assert s.beat(4, 1.0) == 0.5 and s.beat(4, 3.0) == 0.5  # micro-batches of step 4: losses added, no new step
+    assert s._window_loss == 4.0 and s._window_steps == 0 and s._beat_step == 4
+    with pytest.raises(SystemExit):
+        s.beat(3, 1.0)
+    assert said[-1] == ("cannot run session.beat(): beat(3) came after beat(4): give it the training step, one more "
+                        "each optimizer step, the count save() gets")
+    with pytest.raises(SystemExit):
+        s.save(2, SimpleNamespace())
+    assert said[-1].startswith("cannot save step 2: save(2) came after beat(4): beat() and save() must count the same "
+                               "steps, the optimizer's")

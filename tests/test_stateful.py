@@ -219,6 +219,10 @@ def test_what_trainstate_takes_and_what_its_extra_may_hold():
     state = TrainState(m, torch.optim.SGD(m.parameters(), lr=0.1),
                        extra={"best": float("nan"), "pair": (1, 2), "runs": [{"ok": 1}]})
     state.position()  # NaN, tuples, nested dicts with string keys: JSON gives them back
+    state.tokens_seen = torch.tensor(8)  # `+= torch.tensor(n)`: a count that is a tensor
+    with pytest.raises(StatefulError, match="the training position cannot be saved as JSON"):
+        state.position()
+    state.tokens_seen = 0
     for extra, says in (({"x": [{None: 2}]}, "key None, which would come back from its checkpoint as the string "
                                               "'null'"),
                         ({True: 1}, "as the string 'true'"), ({3: "epoch"}, "as the string '3'")):
