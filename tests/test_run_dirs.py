@@ -632,6 +632,7 @@ def test_a_job_given_another_jobs_checkpoint_root_is_refused_and_nothing_there_i
         (tmp_path / f"{name}.yaml").write_text(JOB.replace("name: demo", f"name: {name}"))
     r = cli("run", tmp_path / "alpha.yaml", "--run-dir", tmp_path / "alpha", "--set", f"checkpoint.dir={shared}")
     assert r.exit_code == 0 and steps(shared) == [20, 40, 60], r.output
+    assert f"checkpoint root {shared} (outside the run dir {tmp_path / 'alpha'}" in " ".join(r.output.split())
     r = cli("run", tmp_path / "beta.yaml", "--run-dir", tmp_path / "beta", "--set", f"checkpoint.dir={shared}",
             "--set", "checkpoint.keep=1")
     assert r.exit_code == 2 and f"{shared} holds checkpoints of job 'alpha'" in r.stderr, r.output

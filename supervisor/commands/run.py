@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from supervisor import prewarm, slurm, state
+from supervisor import prewarm, slurm, state, targets
 from supervisor.config import NAME_RE, RDZV_CONF_KEYS, JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, UsageError
@@ -289,11 +289,9 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
         if cfg.nnodes == "1" and cfg.rdzv.endpoint is None and cfg.rdzv.backend != "c10d":
             console.event(f"rdzv.backend {cfg.rdzv.backend} is not used: one node without rdzv.endpoint runs "
                           "torchrun --standalone", style="yellow")
-        real = Path(os.path.realpath(cfg.checkpoint.dir))
-        if not inside(cfg.checkpoint.dir, cfg.run_dir):
-            console.event(f"checkpoint root {cfg.checkpoint.dir} (outside the run dir, as checkpoint.dir says)")
-        elif real != Path(os.path.normpath(cfg.checkpoint.dir)):  # retention deletes there: say where that is
-            console.event(f"checkpoint root {cfg.checkpoint.dir}, reached through a link: {real}")
+        # Retention deletes there: a root outside the run dir, or a link, is named as every light command names it.
+        if (note := targets.Target(job, cfg.run_dir, cfg.checkpoint.dir).root_note()) is not None:
+            console.event(note)
         if cfg.rdzv.conf and cfg.rdzv.endpoint is None:
             console.event("rdzv.conf is not used: one node without rdzv.endpoint runs torchrun --standalone",
                           style="yellow")
