@@ -18,6 +18,11 @@ def _named(e: BaseException, name: str) -> bool:
     return any(c.__name__ == name for c in type(e).__mro__)
 
 
+def _speaks_json(command: Any) -> bool:
+    """Whether the command that failed has a --json mode: `logs --json` is an unknown option, told in words."""
+    return any("--json" in getattr(p, "opts", ()) for p in getattr(command, "params", ()))
+
+
 def _command(ctx: Any) -> str:
     """`resilient run`, however the program was started (`python -m supervisor` too)."""
     names = []
@@ -45,10 +50,17 @@ class OneSentenceErrors(TyperGroup):
                     e.show()  # click's other errors (no arguments at all: the help) as click prints them
                     sys.exit(e.exit_code)
                 raise
-            command = _command(getattr(e, "ctx", None))
+            words = list(sys.argv[1:] if argv is None else argv)
+            ctx = getattr(e, "ctx", None)
+            failed = getattr(ctx, "command", None)
+            command = _command(ctx)
+            if ctx is None:  # click names no context for some option errors (`--watch=x`): the command is in argv
+                name = next((w for w in words if w in self.commands), None)
+                failed = self.commands.get(name) if name else None
+                command = f"resilient {name}" if name else "resilient"
             what = " ".join(e.format_message().split()).rstrip(".")
             message = f"{command}: {what}; see `{command} --help`."
-            if "--json" in (sys.argv[1:] if argv is None else argv):
+            if "--json" in words and _speaks_json(failed):
                 render.print_json({"error": message, "exit_code": int(ExitCode.USAGE)})
             else:
                 render.err.print(message, markup=False, soft_wrap=True)

@@ -845,6 +845,14 @@ def test_ctrl_c_of_a_follow_exits_130_and_usage_errors_name_the_command_as_start
     r = subprocess.run([sys.executable, "-m", "supervisor", "status", "--json", "--bogus"], capture_output=True,
                        text=True, env=child_env(), timeout=60)
     assert r.returncode == 2 and json.loads(r.stdout)["exit_code"] == 2 and r.stderr == "", r
+    # `logs` has no --json mode: its unknown option is a sentence, not a JSON error; click names no command for
+    # `--watch=x`, which is still told as `resilient status`'s error, in JSON since status has --json
+    r = subprocess.run([sys.executable, "-m", "supervisor", "logs", "--json"], capture_output=True, text=True,
+                       env=child_env(), timeout=60)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("resilient logs: No such option: --json"), r
+    r = subprocess.run([sys.executable, "-m", "supervisor", "status", "--watch=x", "--json"], capture_output=True,
+                       text=True, env=child_env(), timeout=60)
+    assert r.returncode == 2 and json.loads(r.stdout)["error"].startswith("resilient status: Option '--watch'"), r
 
 
 def test_status_says_when_the_recorded_checkpoint_is_no_longer_valid_on_disk(tmp_path, cli):
