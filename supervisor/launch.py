@@ -36,19 +36,19 @@ log = logging.getLogger("resilient")
 FIRST_LAUNCH_WAIT_S = 30.0
 
 
-def torchrun_argv(cfg: JobConfig, spec: AttemptSpec, *, python: str = sys.executable,
+def torchrun_argv(cfg: JobConfig, spec: AttemptSpec, *, python: str | None = None,
                   max_restarts: int = 0, prewarmed: bool = False) -> list[str]:
     """The exact torchrun command line for one attempt.
 
     Args:
         cfg: the job.
         spec: the attempt (its log folder).
-        python: the interpreter that runs torchrun and the workers.
+        python: the interpreter that runs torchrun and the workers (default: this one).
         max_restarts: torchrun's own restarts. 0 where the supervisor owns restarts; elastic jobs pass more,
             because only torchrun can re-form the group in place when a node leaves or joins.
         prewarmed: start each worker through the prewarm client (`supervisor.prewarm`).
     """
-    argv = [python, "-m", TORCHRUN_MODULE,
+    argv = [python or sys.executable, "-m", TORCHRUN_MODULE,
             "--nnodes", cfg.nnodes, "--nproc-per-node", cfg.nproc_per_node]
     if cfg.rdzv.endpoint is None:
         argv += ["--standalone"]  # one node, a free port chosen by torchrun's own store
@@ -241,13 +241,18 @@ class TorchrunLauncher:
                                                                   not self._prewarm.alive()):
             if self._prewarm is not None:
                 self._prewarm.close()
-            self._prewarm = prewarm.PrewarmServer(self._worker_env, preexec_fn=_die_with_parent)
+                self._prewarm = None
+            # No process to spare, or no interpreter to run: torchrun is started cold, which says why if it
+            # cannot start either.
+            with contextlib.suppress(OSError):
+                self._prewarm = prewarm.PrewarmServer(self._worker_env, preexec_fn=_die_with_parent)
         server_up = self._prewarm is not None and self._prewarm.alive()
         if server_up and self._zygote is not None:
             self._zygote.discard()
             self._zygote = None
         elif zygote_enabled() and self._zygote is None and not server_up and not prewarm.enabled():
-            self._zygote = Zygote(preexec_fn=_die_with_parent)
+            with contextlib.suppress(OSError):  # as the server's: a cold start says why
+                self._zygote = Zygote(preexec_fn=_die_with_parent)
 
     def prepare(self, cfg: JobConfig) -> None:
         """Start the prewarm server now, under the environment the workers will get, so its imports overlap

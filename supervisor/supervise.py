@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -172,10 +173,8 @@ class Supervisor:
             spec = self._next_spec(choice)
             try:
                 outcome = self._run_attempt(spec, choice)
-            except OSError as e:
-                if e.errno not in NO_ROOM:
-                    raise
-                return self._no_room(e)
+            except OSError as e:  # said as one sentence, the run's state left failed rather than running
+                return self._no_room(e) if e.errno in NO_ROOM else self._os_failure(e)
             if outcome.reason == api.FINISHED:
                 return self._finished(outcome)
             if outcome.reason == api.STOPPED:
@@ -496,14 +495,27 @@ class Supervisor:
     def _no_room(self, e: OSError) -> int:
         """The run dir took no more writes (full, over quota, read-only) as an attempt was set up: a relaunch
         would meet the same, so the run stops with the sentence that says what to free."""
-        why = f"{e.filename or self.cfg.run_dir}: {e.strerror}"
+        why = self._end_attempt_with(e)
+        return self._end_failed(f"resilient stopped the run: the run dir cannot be written ({why}). Free space "
+                                "there (or make it writable); `resilient run` again resumes from the newest "
+                                "valid checkpoint.")
+
+    def _os_failure(self, e: OSError) -> int:
+        """Any other system error around an attempt (torchrun's interpreter not executable, no process left to
+        fork): one sentence, where it used to be a traceback that left the state file saying `running`."""
+        why = self._end_attempt_with(e)
+        return self._end_failed(f"resilient stopped the run: {why}. Fix that; `resilient run` again resumes from "
+                                "the newest valid checkpoint.")
+
+    def _end_attempt_with(self, e: OSError) -> str:
+        if os.environ.get("RESILIENT_DEBUG") == "1":
+            traceback.print_exception(e)
+        why = f"{e.filename or self.cfg.run_dir}: {e.strerror or e}"
         last = self.record.history[-1] if self.record.history else None
         if last is not None and last.ended_at is None:
             last.ended_at, last.reason, last.detail = time.time(), api.LAUNCHER_DIED, f"could not launch: {why}"
             self.accounting.end(last.ended_at)
-        return self._end_failed(f"resilient stopped the run: the run dir cannot be written ({why}). Free space "
-                                "there (or make it writable); `resilient run` again resumes from the newest "
-                                "valid checkpoint.")
+        return why
 
     def _all_damaged(self, names: list[str]) -> int:
         """The check before a launch has just set aside every checkpoint left: the run stops, as when the ranks

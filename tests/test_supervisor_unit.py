@@ -878,6 +878,22 @@ def test_a_run_dir_with_no_room_for_the_next_attempt_stops_the_run_with_one_sent
     assert all(h["ended_at"] for h in doc["history"])
 
 
+def test_an_interpreter_that_cannot_be_executed_stops_the_run_with_one_sentence(tmp_path, cli, monkeypatch):
+    """The real launcher, with an interpreter this user may not execute: the prewarm server's spawn and then
+    torchrun's failed with PermissionError, which ended in a traceback with the run left 'running'."""
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\n")
+    python = tmp_path / "python"
+    python.write_text("")
+    python.chmod(0o600)
+    monkeypatch.setattr("sys.executable", str(python))
+    result = cli("run", job)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert f"resilient stopped the run: {python}: Permission denied. Fix that;" in " ".join(result.stderr.split())
+    doc = json.loads((tmp_path / "runs/demo/state.json").read_text())
+    assert doc["state"] == "failed" and [h["reason"] for h in doc["history"]] == ["launcher_died"], doc["history"]
+
+
 def test_a_run_dir_with_no_room_for_the_job_file_stops_with_one_sentence_and_closes_the_launcher(tmp_path, cli,
                                                                                                   monkeypatch):
     """The job file is written after the launcher's helpers were started: a full disk there once left a traceback
