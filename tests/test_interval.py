@@ -199,3 +199,13 @@ def test_beat_counts_optimizer_steps_and_refuses_a_count_that_goes_back_or_outru
         s.save(2, SimpleNamespace())
     assert said[-1].startswith("cannot save step 2: save(2) came after beat(4): beat() and save() must count the same "
                                "steps, the optimizer's")
+    # Review 9: a float step failed every save in a traceback (retried as a checkpoint failure) and a numpy one
+    # every heartbeat write (the rank killed as hung); both are the training step given in the wrong type.
+    import numpy as np
+
+    for bad, what in ((5.0, "a float"), (True, "a bool"), (-1, "outside 0..999999999")):
+        with pytest.raises(SystemExit):
+            s.save(bad, SimpleNamespace())
+        assert said[-1] == (f"cannot run session.save(): save({bad!r}): the step is {what}; give it the training step "
+                            "as an int (the optimizer steps done)"), said[-1]
+    assert s.beat(np.int64(4), 1.0) == 0.5 and type(s._beat_step) is int

@@ -422,13 +422,24 @@ class Session:
                               "once, before the training loop: it loads the checkpoint to go on from",
                               everyone_failed=True)
 
+    def _step_given(self, call: str, step: Any) -> int:
+        """The step as an int, or exit 78: a float step failed every save in a rank traceback (retried as a checkpoint
+        failure), and a numpy integer failed every heartbeat write (the rank was killed as hung). Every rank runs
+        the same script, so every rank ends here alike."""
+        if isinstance(step, numbers.Integral) and not isinstance(step, bool) and 0 <= int(step) <= store.MAX_STEP:
+            return int(step)
+        what = f"a {type(step).__name__}" if not isinstance(step, numbers.Integral) or isinstance(step, bool) else \
+            f"outside 0..{store.MAX_STEP}"
+        self._exit_config(f"run session.{call}()", -1, f"{call}({step!r}): the step is {what}; give it the training "
+                          "step as an int (the optimizer steps done)", everyone_failed=True)
+
     def _stop_unless_all_fine(self, problem: str | None, doing: str) -> None:
         """Agree across ranks on `problem` (None: fine here); if any rank has one, exit with EXIT_CONFIG."""
         failed = [(r, p) for r, p in enumerate(self._gather(problem)) if p]
         if failed:
             self._exit_config(doing, *failed[0], everyone_failed=len(failed) == self.world_size)
 
-    def _exit_config(self, doing: str, rank: int, problem: str, everyone_failed: bool) -> None:
+    def _exit_config(self, doing: str, rank: int, problem: str, everyone_failed: bool) -> NoReturn:
         """Every rank logs the same sentence (the supervisor reports the failed rank's last log line) and exits
         with EXIT_CONFIG: retrying cannot help."""
         where = f"rank {rank}: " if rank >= 0 and self.world_size > 1 and not everyone_failed else ""
@@ -456,6 +467,7 @@ class Session:
         loop that goes on after the ranks agreed to stop ends here, as `finish()` would end it (exit 75).
         """
         self._require_resumed("beat")
+        step = self._step_given("beat", step)
         value = 0.0 if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         if loss is not None and not math.isfinite(value):
             self._exit_nan(step, value)
@@ -535,6 +547,7 @@ class Session:
         stopping; returns the seconds training was blocked, or None if skipped (already saved, or a stop whose
         grace cannot fit a save)."""
         self._require_resumed("save")
+        step = self._step_given("save", step)
         if step == self.last_saved_step:
             return None
         if self._beat_step is not None and step < self._beat_step:  # micro-steps in beat(): lost steps, the interval
