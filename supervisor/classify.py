@@ -8,7 +8,7 @@ import errors). Pure functions over text and records: unit-tested on captured ou
 
 from __future__ import annotations
 
-import json
+import os
 import re
 import signal
 from dataclasses import dataclass, replace
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from supervisor import api
 from supervisor.api import AttemptOutcome
+from supervisor.fsutil import open_regular, parse_json, read_regular
 from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_CONFIG, EXIT_NAN, EXIT_PREEMPTED, NO_FINISH, Heartbeat
 
 _BLOCK = re.compile(
@@ -79,12 +80,12 @@ def error_message(path: str | None) -> str | None:
     if not path:
         return None
     try:
-        doc = json.loads(Path(path).read_text())
+        doc = parse_json(read_regular(path, follow=True))
         msg = doc.get("message", {})
         if isinstance(msg, dict):
             msg = msg.get("message", "")
         return str(msg).strip() or None
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError):  # UnicodeDecodeError is a ValueError
         return None
 
 
@@ -99,7 +100,7 @@ def tail(path: Path | None, limit: int = 20_000) -> str:
     if path is None:
         return ""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path, follow=True), "rb") as f:  # a FIFO would hang the supervisor
             f.seek(0, 2)
             f.seek(max(0, f.tell() - limit))
             return f.read().decode(errors="replace")

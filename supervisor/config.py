@@ -28,7 +28,10 @@ NAME_MAX_BYTES = 255  # one folder or file name, on every Linux filesystem
 PATH_MAX_BYTES = 4096  # a whole path, as Linux takes it
 MAX_NPROC = 4096  # ranks per node: a typo of 80000 for 8 would have torchrun fork them
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-HOST_RE = re.compile(r"^[A-Za-z0-9.:_-]{1,253}$")  # a host name, an IPv4 or an IPv6 address
+# A host name (labels of 1 to 63 characters: `node0..cluster` failed to encode, in a traceback), an IPv4 or an
+# IPv6 address.
+HOST_RE = re.compile(r"^(?=.{1,253}$)(?:[A-Za-z0-9_-]{1,63}(?:\.[A-Za-z0-9_-]{1,63})*\.?"
+                     r"|[A-Fa-f0-9.:]*:[A-Fa-f0-9.:]*)$")
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 NNODES_RANGE_RE = re.compile(r"^(\d+):(\d+)$")
 # A number as YAML 1.1 leaves it text (1e9, no dot), and an optional unit.
@@ -822,8 +825,12 @@ def build_job(root: _Loc, path: Path, *, to_launch: bool = True) -> JobConfig:
     base = path.resolve().parent
     name = values["name"]
 
-    def resolve(p: str) -> Path:
-        return (base / os.path.expanduser(p)).resolve()
+    def resolve(p: str, key: str) -> Path:
+        try:
+            return (base / os.path.expanduser(p)).resolve()
+        except RuntimeError:  # Python 3.11's Path.resolve on a link loop (3.13: an OSError, ELOOP)
+            raise ConfigError(f"{_where(root, key)}: {key} {p!r} leads through a loop of symbolic links; fix the "
+                              "link or choose another path.") from None
 
     ep = values["entrypoint"]
     ep_where = _where(root, "entrypoint")
@@ -831,7 +838,7 @@ def build_job(root: _Loc, path: Path, *, to_launch: bool = True) -> JobConfig:
         raise ConfigError(f"{ep_where}: entrypoint has both module and script; keep exactly one.")
     if not ep.get("module") and not ep.get("script"):
         raise ConfigError(f"{ep_where}: entrypoint needs module (e.g. train_entry) or script (a .py path).")
-    script = resolve(ep["script"]) if ep.get("script") else None
+    script = resolve(ep["script"], "entrypoint.script") if ep.get("script") else None
     if script is not None and not script.is_file() and to_launch:
         where = _where(root, "entrypoint.script")
         what = "is a folder, not a Python file" if script.is_dir() else "does not exist"
@@ -849,10 +856,10 @@ def build_job(root: _Loc, path: Path, *, to_launch: bool = True) -> JobConfig:
                               "one durable root; remove {node} there.")
     entrypoint = EntrypointConfig(module=ep.get("module"), script=script, args=ep.get("args", ()))
 
-    run_dir = resolve(values.get("run_dir") or f"runs/{name}")
+    run_dir = resolve(values.get("run_dir") or f"runs/{name}", "run_dir")
     ck = values.get("checkpoint", {})
-    ck_dir = resolve(ck["dir"]) if ck.get("dir") else run_dir / CHECKPOINTS_DIR
-    local_dir = resolve(ck["local_dir"]) if ck.get("local_dir") else None
+    ck_dir = resolve(ck["dir"], "checkpoint.dir") if ck.get("dir") else run_dir / CHECKPOINTS_DIR
+    local_dir = resolve(ck["local_dir"], "checkpoint.local_dir") if ck.get("local_dir") else None
     ck_fields = {k: v for k, v in ck.items() if k not in ("dir", "async", "local_dir")}
     checkpoint = CheckpointConfig(dir=ck_dir, async_save=ck.get("async", True), local_dir=local_dir, **ck_fields)
     if local_dir is not None and (inside(local_dir, ck_dir) or inside(ck_dir, local_dir)):

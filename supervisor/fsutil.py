@@ -83,10 +83,11 @@ def file_identity(path: str | os.PathLike) -> list[int] | None:
     return [st.st_ino, st.st_size, st.st_mtime_ns]
 
 
-def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY) -> int:
+def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY, *, follow: bool = False) -> int:
     """A descriptor on `path` if it is a regular file. A FIFO is never waited on (it would hang every reader), a
-    link never followed (it may lead out of the run dir), a device never read: each raises OSError saying so."""
-    fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    link never followed (it may lead out of the run dir) unless `follow` (the rank-log links the run makes), a
+    device never read: each raises OSError saying so."""
+    fd = os.open(path, flags | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW) | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
@@ -97,9 +98,9 @@ def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY) -> int:
     return fd
 
 
-def read_regular(path: str | os.PathLike) -> bytes:
+def read_regular(path: str | os.PathLike, *, follow: bool = False) -> bytes:
     """The bytes of a regular file (`open_regular`'s rules: a link or a FIFO raises OSError)."""
-    with os.fdopen(open_regular(path), "rb") as f:
+    with os.fdopen(open_regular(path, follow=follow), "rb") as f:
         return f.read()
 
 
@@ -133,9 +134,9 @@ def write_problem(folder: str | os.PathLike) -> str | None:
     None when they can. Asks the kernel (access(2) reports a read-only mount even to root) and creates
     nothing."""
     p = Path(folder)
-    while not p.exists() and p != p.parent:
+    while not os.path.exists(p) and p != p.parent:  # False, not PermissionError, under a folder shut to us
         p = p.parent
-    if not p.is_dir():
+    if not os.path.isdir(p):
         return f"{p} is not a folder"
     if os.access(p, os.W_OK | os.X_OK):
         return None

@@ -117,8 +117,12 @@ def resolved(path: str | os.PathLike, run_dir: Path, written_in: str | os.PathLi
 
     Raises:
         UsageError: a relative path that climbs out of the run dir (`..`): a run never records one (it writes
-            paths outside it absolute), and following it would act on another folder as if it were the run's.
+            paths outside it absolute), and following it would act on another folder as if it were the run's;
+            or one holding a NUL character, which no system call takes.
     """
+    if "\x00" in os.fspath(path):  # no system call takes it (a ValueError from the first one)
+        raise UsageError(f"{what} records the path {str(path)!r}, which holds a NUL character: the file is damaged; "
+                         "pass the checkpoint root you mean as TARGET (`resilient run` writes the run's files anew).")
     p = Path(os.path.normpath(path))
     if not p.is_absolute():
         if p.parts[:1] == (os.pardir,):

@@ -46,8 +46,12 @@ class RunLock:
                 f"{who.get('host', '?')}); stop it first, or pick another --run-dir."
             ) from None
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+        except OSError as e:  # a full disk: named, so `run` can say where to free space
+            os.close(fd)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         self._fd = fd
         return self
 
@@ -150,7 +154,11 @@ class RootClaim:
             fcntl.flock(fd, fcntl.LOCK_SH)
             info = json.dumps({"run_dir": str(self.run_dir), "pid": os.getpid(), "host": socket.gethostname(),
                                "node": self.node})
-            os.pwrite(fd, info.encode().ljust(4096), 0)  # one run's nodes all write the same run dir
+            try:
+                os.pwrite(fd, info.encode().ljust(4096), 0)  # one run's nodes all write the same run dir
+            except OSError as e:
+                os.close(fd)
+                raise OSError(e.errno, e.strerror, str(owners / self._name())) from None
             self._fd = fd
         finally:
             os.close(mutex)  # closing drops the exclusive lock

@@ -7,14 +7,18 @@ tell the supervisor how a rank ended when it ended on its own.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import time
+import types
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.fsutil import atomic_write_json, read_json
+from supervisor.fsutil import atomic_write_json, open_regular, parse_json, read_json
 
 # ---------------------------------------------------------------------------------------------------
 # Exit codes of a rank (documented in the README). torchrun itself exits 1 for any worker failure, so
@@ -137,6 +141,27 @@ def heartbeat_path(folder: str | os.PathLike, rank: int) -> Path:
 NO_FINISH = "exited without finish()"  # a rank's last exit_reason: its script ended without Session.finish
 
 
+def fits(value: Any, hint: Any) -> bool:
+    """`value`, read from JSON, holds what the annotation `hint` says (a float: finite, and a date can hold it)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(fits(value, a) for a in args)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is float:  # a time or a fraction: finite, and a date can hold it
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+            and abs(value) < 1e12
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(fits(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, origin or hint)
+
+
 @dataclass
 class Heartbeat:
     """One rank's latest word. `seq` grows with every write, so a reader can tell a fresh beat from an old
@@ -177,8 +202,13 @@ class Heartbeat:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Heartbeat:
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """ValueError for a field that does not hold what it should: a damaged or foreign beat is skipped, where
+        a step given as a string once stopped `status` and the supervisor in a TypeError (review 9)."""
+        hints = _heartbeat_hints()
+        for k, v in d.items():
+            if k in hints and not fits(v, hints[k]):
+                raise ValueError(f"heartbeat {k}: {v!r:.40} is not {hints[k]}")
+        return cls(**{k: v for k, v in d.items() if k in hints})
 
 
 def write_heartbeat(folder: str | os.PathLike, hb: Heartbeat) -> None:
@@ -194,6 +224,11 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+@functools.cache
+def _heartbeat_hints() -> dict[str, Any]:
+    return typing.get_type_hints(Heartbeat)
 
 
 def read_heartbeats(folder: str | os.PathLike) -> dict[int, Heartbeat]:
@@ -277,7 +312,7 @@ def note_line(rec: NoteRecord) -> str:
 
 def parse_step_line(line: bytes | str) -> LogRecord | None:
     try:
-        d = json.loads(line)
+        d = parse_json(line)
         if "step" in d:
             return StepRecord(int(d["step"]), float(d["t"]))
         if "save" in d:
@@ -286,7 +321,7 @@ def parse_step_line(line: bytes | str) -> LogRecord | None:
             return CommitRecord(int(d["commit"]), float(d["t"]), float(d["persist_s"]), int(d.get("bytes") or 0))
         if "note" in d:
             return NoteRecord(str(d["note"]), float(d["t"]))
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):  # OverflowError: a step of 1e999
         pass
     return None
 
@@ -301,7 +336,7 @@ class StepLogReader:
 
     def poll(self) -> list[LogRecord]:
         try:
-            with open(self.path, "rb") as f:
+            with os.fdopen(open_regular(self.path), "rb") as f:  # a FIFO put there would hang the reader
                 f.seek(self._offset)
                 chunk = f.read()
         except OSError:
@@ -324,7 +359,7 @@ def read_step_log(path: str | os.PathLike) -> list[LogRecord]:
 def last_logged_step(path: str | os.PathLike, window: int = 65536) -> int | None:
     """The last step a step log records, from its tail (a long run's log holds millions of lines)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - window))
             lines = f.read().splitlines()

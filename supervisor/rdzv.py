@@ -90,7 +90,7 @@ def stalled(endpoint: str | None, launcher_pids: set[int]) -> str:
 def _is_this_host(host: str) -> bool:
     try:
         wanted = {info[4][0] for info in socket.getaddrinfo(host.strip("[]"), None, proto=socket.IPPROTO_TCP)}
-    except OSError:
+    except (OSError, UnicodeError):  # UnicodeError: a name IDNA cannot encode
         return False
     mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
     return any(ipaddress.ip_address(a.split("%")[0]).is_loopback or a.split("%")[0] in mine for a in wanted)

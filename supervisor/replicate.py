@@ -183,9 +183,9 @@ class Replicator:
 
     def start(self) -> None:
         """Queue every local checkpoint the durable tier lacks (a restart resumes here), and start."""
-        for step in self._unreplicated():
-            self._queue.add(step)
-        self._refresh()
+        self._revisit(thorough=True)  # a tier that cannot be listed now: the thread's periodic look queues them
+        with contextlib.suppress(OSError):
+            self._refresh()
         self._thread.start()
         self._wake.set()
 
@@ -224,28 +224,30 @@ class Replicator:
         deadline = time.monotonic() + timeout_s
         failures = self._failures
         cut = False
-        self._revisit(thorough=True)
+        looked = self._revisit(thorough=True)  # a tier that cannot be listed: what it lacks is not known
         while time.monotonic() < deadline and self._failures == failures:
             if not cut and (left := stop()) is not None:
                 cut, deadline = True, min(deadline, time.monotonic() + left)
             with self._lock:
                 empty = not self._queue
             if empty:
-                self._await_publish(min(deadline, time.monotonic() + PUBLISH_WAIT_S))
-                return True
+                with contextlib.suppress(OSError):
+                    self._await_publish(min(deadline, time.monotonic() + PUBLISH_WAIT_S))
+                return looked
             self._wake.set()  # a retry now, not after its backoff
             self._idle.wait(0.1)
         with self._lock:
             return not self._queue
 
-    def _revisit(self, *, thorough: bool) -> None:
+    def _revisit(self, *, thorough: bool) -> bool:
         """Queue again each local step newer than the durable tier's newest that this node was not told of, or
         whose part of this node is not in the durable tier (another node's publish dropped it: one of its files
         had changed since this node vouched for it). Otherwise that step would wait as a partial until a newer
         one supersedes it. `thorough` (at exit) validates both tiers; the periodic look, which every node of a
         big job makes every REVISIT_S on the shared filesystem, takes the durable newest this node last saw and
-        stats only the step's own folders (`_replicate` checks the rest, under the lock)."""
-        with contextlib.suppress(OSError):
+        stats only the step's own folders (`_replicate` checks the rest, under the lock). False when a tier
+        could not be looked at."""
+        try:
             # the scans outside the lock the thread needs (`_handled` only grows: a stale read re-queues no more)
             if thorough:
                 steps = self._unreplicated()
@@ -257,8 +259,12 @@ class Replicator:
                 steps = [s for s in committed if s > newest and s not in self._unusable
                          and not (self.durable_root / store.step_dirname(s)).exists()]
             again = [s for s in steps if s not in self._handled or not self._part(s).exists()]
-            with self._lock:
-                self._queue.update(again)
+        except OSError as e:
+            log.warning("looking for local steps the durable tier lacks: %s", e)
+            return False
+        with self._lock:
+            self._queue.update(again)
+        return True
 
     def _await_publish(self, deadline: float) -> None:
         """This node's parts are all there; on several nodes another one may publish the newest step a moment
@@ -309,33 +315,43 @@ class Replicator:
                     self._revisit(thorough=False)
                 except Exception as e:  # the thread goes on copying what it is told of
                     log.warning("looking again for local steps the durable tier lacks: %s", e)
-            while not self._stop.is_set():
-                with self._lock:
-                    todo = sorted(self._queue)
-                if not todo:
-                    self._idle.set()
-                    break
-                self._idle.clear()
-                step = self._pick(todo)
-                try:  # a background loop logs and keeps going: the durable tier may come back
-                    wrote = self._replicate(step)
-                except LocalSaveReplaced as e:  # still queued: copied again, the new save
-                    log.info("%s: copying the new save", e)
-                except LocalCopyDamaged as e:  # no news of the durable tier: the next step is copied at once
-                    self._damaged(step, e)
-                except Exception as e:  # every failure of the durable tier is the same news
-                    failures += 1
-                    self._failed(step, e)
-                else:
-                    failures = 0
-                    self._done(step)
-                    if wrote:  # news of the durable tier only when this node's write went through
-                        self._recovered()
-                with contextlib.suppress(Exception):
-                    self._local_retention()
-                    self._refresh()
-                if failures:
-                    break
+            try:
+                failures = self._copy_queued(failures)
+            except Exception as e:  # never the end of the thread, which stopped copying for good (review 9)
+                failures += 1
+                log.warning("copying to the durable tier: %s", e)
+
+    def _copy_queued(self, failures: int) -> int:
+        """Copy the queued steps, newest first, until the queue is empty or a copy fails; the failures in a row."""
+        while not self._stop.is_set():
+            with self._lock:
+                todo = sorted(self._queue)
+            if not todo:
+                self._idle.set()
+                break
+            self._idle.clear()
+            step = max(todo)
+            try:  # a background loop logs and keeps going: the durable tier may come back
+                step = self._pick(todo)  # which scans the durable tier: its failures are the same news
+                wrote = self._replicate(step)
+            except LocalSaveReplaced as e:  # still queued: copied again, the new save
+                log.info("%s: copying the new save", e)
+            except LocalCopyDamaged as e:  # no news of the durable tier: the next step is copied at once
+                self._damaged(step, e)
+            except Exception as e:  # every failure of the durable tier is the same news
+                failures += 1
+                self._failed(step, e)
+            else:
+                failures = 0
+                self._done(step)
+                if wrote:  # news of the durable tier only when this node's write went through
+                    self._recovered()
+            with contextlib.suppress(Exception):
+                self._local_retention()
+                self._refresh()
+            if failures:
+                break
+        return failures
 
     def _see_published(self) -> None:
         """Another node may have published this node's newest local step since this node put its part there:

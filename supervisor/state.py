@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import time
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +23,7 @@ from typing import Any
 
 from supervisor import layout, lock
 from supervisor.fsutil import atomic_write_json, read_json, unreadable_fix
-from supervisor.protocol import Heartbeat, last_logged_step
+from supervisor.protocol import Heartbeat, fits, last_logged_step
 
 SCHEMA_VERSION = 1
 
@@ -284,6 +282,10 @@ def read(path: Path) -> RunRecord:
         for i, r in enumerate(rec.ranks):
             _check_fields(f"ranks[{i}]", r, RANK_FIELDS)
         _check_fields("replication", rec.replication, REPLICATION_FIELDS)
+        for i, q in enumerate(rec.quarantined):
+            _check_fields(f"quarantined[{i}]", q, QUARANTINE_FIELDS)
+        for i, n in enumerate(rec.notes):
+            _check_fields(f"notes[{i}]", n, NOTE_FIELDS)
         _relative_paths(rec)
     except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
         raise StateFileError(f"{path}: malformed ({e})", damaged=True) from None
@@ -300,6 +302,8 @@ SUMMARY_FIELDS: dict[str, Any] = {
     key: float for key in ("wall_s", "useful_s", "startup_s", "train_s", "checkpoint_blocking_s", "stalled_s",
                            "lost_steps", "lost_s", "tail_s", "down_s", "attempts", "goodput")
 }
+QUARANTINE_FIELDS: dict[str, Any] = {"step": int, "path": str, "reason": str, "at": float}
+NOTE_FIELDS: dict[str, Any] = {"attempt": int, "step": int, "text": str}
 # ReplicationState's fields, and the lag its to_dict() adds
 REPLICATION_FIELDS: dict[str, Any] = {**typing.get_type_hints(ReplicationState), "lag_steps": int, "lag_s": float}
 SUMMARY_SHOWN = ("wall_s", "useful_s", "startup_s", "checkpoint_blocking_s", "lost_steps", "lost_s", "tail_s",
@@ -315,7 +319,7 @@ def _check_fields(where: str, d: Any, fields: dict[str, Any], required: tuple[st
         if key not in d:
             if d and key in required:
                 raise ValueError(f"{where}.{key}: missing")
-        elif d[key] is not None and not _fits(d[key], hint):
+        elif d[key] is not None and not fits(d[key], hint):
             raise ValueError(f"{where}.{key}: {d[key]!r:.60} is not {getattr(hint, '__name__', hint)}")
 
 
@@ -325,29 +329,9 @@ def _check_types(obj: Any) -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if not _fits(value, hints[f.name]):
+        if not fits(value, hints[f.name]):
             raise ValueError(f"{f.name}: {value!r:.60} is not {hints[f.name]}".replace("typing.", "")
                              .replace("float", "float (finite, below 1e12)"))
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        return any(_fits(value, a) for a in args)
-    if hint is Any:
-        return True
-    if hint is type(None):
-        return value is None
-    if hint is float:  # a time or a fraction: finite, and a date can hold it
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-            and abs(value) < 1e12
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is list:
-        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    return isinstance(value, origin or hint)
 
 
 def _relative_paths(rec: RunRecord) -> None:

@@ -20,6 +20,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from supervisor import __version__, api, ranklogs, retention, state, store
@@ -31,7 +32,7 @@ from supervisor.errors import ConfigError, ExitCode
 from supervisor.fsutil import atomic_write_json
 from supervisor.goodput import Accounting
 from supervisor.interval import IntervalTuner
-from supervisor.layout import CONTROL_FILE, RunLayout, recorded, state_files
+from supervisor.layout import CONTROL_FILE, RunLayout, inside, recorded, state_files
 from supervisor.policy import RestartPolicy
 from supervisor.protocol import (
     CommitRecord,
@@ -158,6 +159,13 @@ class Supervisor:
         self.replicator.stop()
 
     def _loop(self) -> int:
+        try:
+            return self._attempts()
+        except OSError as e:  # said as one sentence, the run's state left failed rather than running: the root's
+            # scan between attempts (a flaky shared filesystem) as much as an attempt's own files
+            return self._no_room(e) if e.errno in NO_ROOM else self._os_failure(e)
+
+    def _attempts(self) -> int:
         self._start_interval()
         below: int | None = None
         first = True
@@ -171,10 +179,7 @@ class Supervisor:
                 self._retain_at_start(choice.step)
                 first = False
             spec = self._next_spec(choice)
-            try:
-                outcome = self._run_attempt(spec, choice)
-            except OSError as e:  # said as one sentence, the run's state left failed rather than running
-                return self._no_room(e) if e.errno in NO_ROOM else self._os_failure(e)
+            outcome = self._run_attempt(spec, choice)
             if outcome.reason == api.FINISHED:
                 return self._finished(outcome)
             if outcome.reason == api.STOPPED:
@@ -496,7 +501,9 @@ class Supervisor:
         """The run dir took no more writes (full, over quota, read-only) as an attempt was set up: a relaunch
         would meet the same, so the run stops with the sentence that says what to free."""
         why = self._end_attempt_with(e)
-        return self._end_failed(f"resilient stopped the run: the run dir cannot be written ({why}). Free space "
+        in_run_dir = e.filename is None or inside(Path(self.cfg.run_dir) / os.fsdecode(e.filename), self.cfg.run_dir)
+        what = "the run dir" if in_run_dir else "a checkpoint folder"
+        return self._end_failed(f"resilient stopped the run: {what} cannot be written ({why}). Free space "
                                 "there (or make it writable); `resilient run` again resumes from the newest "
                                 "valid checkpoint.")
 
@@ -513,7 +520,7 @@ class Supervisor:
         why = f"{e.filename or self.cfg.run_dir}: {e.strerror or e}"
         last = self.record.history[-1] if self.record.history else None
         if last is not None and last.ended_at is None:
-            last.ended_at, last.reason, last.detail = time.time(), api.LAUNCHER_DIED, f"could not launch: {why}"
+            last.ended_at, last.reason, last.detail = time.time(), api.LAUNCHER_DIED, f"system error: {why}"
             self.accounting.end(last.ended_at)
         return why
 

@@ -235,6 +235,8 @@ BAD = {
     "a scheme in the endpoint": ('name: x\nentrypoint: {module: m}\nrdzv: {endpoint: "http://h:29400"}\n', None, 3,
                                  ["rdzv.endpoint must be HOST:PORT"]),
     "port 0": ('name: x\nentrypoint: {module: m}\nrdzv: {endpoint: "h:0"}\n', None, 3, ["a port from 1 to 65535"]),
+    "an empty label in the endpoint's host": ('name: x\nentrypoint: {module: m}\nrdzv: {endpoint: "n0..c:29400"}\n', None,
+                                              3, ["rdzv.endpoint must be HOST:PORT"]),
     "{node} in the run dir": ('name: x\nentrypoint: {module: m}\nrun_dir: "runs/{node}"\n', None, 3,
                               ["run_dir 'runs/{node}' holds {node}, which is filled in only in checkpoint.local_dir"]),
     "a rank count with extra digits": ("name: x\nentrypoint: {module: m}\nnproc_per_node: 80000\n", None, 3,
@@ -275,6 +277,17 @@ def test_bad_job_files_exit_2_with_one_line_naming_line_and_key(case, tmp_path, 
     for w in words:
         assert w in msg, msg
     assert not (tmp_path / "runs").exists(), "a bad job file must create nothing"
+
+
+def test_a_path_through_a_loop_of_links_is_one_sentence_for_every_command(tmp_path, cli):
+    """Review 9: Python 3.11's Path.resolve raises RuntimeError on a link loop, which every command given the job
+    file ended in as a traceback."""
+    (tmp_path / "loop").symlink_to("loop")
+    path = write(tmp_path, "name: x\nentrypoint: {module: m}\nrun_dir: loop/run\n")
+    for command in (("run",), ("status",), ("gc", "--keep", "1")):
+        result = cli(command[0], path, *command[1:])
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert "job.yaml:3: run_dir 'loop/run' leads through a loop of symbolic links" in result.stderr, result.output
 
 
 def test_a_job_file_that_is_no_text_file_is_one_sentence_and_never_waited_on(tmp_path, cli):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import shutil
 import subprocess
 import sys
@@ -853,6 +854,48 @@ def test_ctrl_c_of_a_follow_exits_130_and_usage_errors_name_the_command_as_start
     r = subprocess.run([sys.executable, "-m", "supervisor", "status", "--watch=x", "--json"], capture_output=True,
                        text=True, env=child_env(), timeout=60)
     assert r.returncode == 2 and json.loads(r.stdout)["error"].startswith("resilient status: Option '--watch'"), r
+
+
+def test_status_of_an_orphaned_run_skips_damaged_beats_and_step_lines_and_never_waits_on_a_fifo(tmp_path, cli):
+    """Review 9: a beat whose step was a string, a step line of 1e999 and a step log that is a FIFO stopped `status`
+    of a run whose supervisor died in a TypeError, an OverflowError or forever; a quarantined entry's path given as
+    a list, in a TypeError. The supervisor reads the same files as it runs."""
+    for name, beat, lines in (("beat", {"rank": 0, "pid": 2**22 + 1, "step": "7", "time": time.time()}, None),
+                              ("line", None, b'{"step": 3, "t": 1.0}\n{"step": 1e999, "t": 2.0}\n'),
+                              ("fifo", None, None)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        rec = state.RunRecord(name="x", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.RUNNING,
+                              attempt=1, step=3, supervisor={"pid": 2**22 + 1, "host": socket.gethostname()})
+        rec.history.append(state.AttemptRecord(attempt=1, started_at=time.time() - 60, resumed_from_step=None))
+        state.write(run_dir / "state.json", rec)
+        (run_dir / "steps").mkdir()
+        if beat is not None:
+            (run_dir / "heartbeats" / "attempt_1").mkdir(parents=True)
+            (run_dir / "heartbeats" / "attempt_1" / "rank_0.json").write_text(json.dumps({**beat, "schema_version": 1}))
+        if lines is not None:
+            (run_dir / "steps" / "attempt_1.jsonl").write_bytes(lines)
+        if name == "fifo":
+            os.mkfifo(run_dir / "steps" / "attempt_1.jsonl")
+        r = cli("status", run_dir, "--json")
+        assert r.exit_code == 0, (name, r.output)
+        assert json.loads(r.stdout)["state"] != "running", name
+    doc = json.loads((tmp_path / "line" / "state.json").read_text())
+    doc["quarantined"] = [{"step": 5, "path": ["step_000000005.quarantined"], "reason": "corrupt", "at": 1.0}]
+    (tmp_path / "line" / "state.json").write_text(json.dumps(doc))
+    r = cli("status", tmp_path / "line")
+    assert r.exit_code == 2 and "quarantined[0].path: ['step_000000005.quarantined'] is not str" in r.stderr, r.output
+
+
+def test_a_recorded_path_with_a_nul_character_is_one_sentence(tmp_path, cli):
+    """Review 9: the first system call on it raised ValueError (embedded null byte), a traceback in each command."""
+    (tmp_path / "job.json").write_text(json.dumps({"schema_version": 1, "job": {"name": "x",
+                                                                                "checkpoint": {"dir": "ck\0pt"}}}))
+    for command in (("inspect-checkpoint",), ("gc", "--keep", "1", "--dry-run")):
+        r = cli(command[0], tmp_path, *command[1:])
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert f"{tmp_path / 'job.json'} (checkpoint.dir) records the path 'ck\\x00pt', which holds a NUL " \
+            "character" in " ".join(r.stderr.split()), r.output
 
 
 def test_status_says_when_the_recorded_checkpoint_is_no_longer_valid_on_disk(tmp_path, cli):

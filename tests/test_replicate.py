@@ -125,6 +125,33 @@ def test_an_unwritable_durable_tier_is_retried_and_reported_and_local_copies_are
     assert r.state.superseded == 0  # nor counted, at the end, as superseded
 
 
+def test_a_durable_tier_that_cannot_be_listed_is_a_failure_retried_not_the_end_of_copying(tmp_path, monkeypatch):
+    """Review 9: the scan that picks the next step (EACCES, EIO or ESTALE on a shared filesystem) ran outside the
+    thread's handler: the thread died, copying stopped for good, and the exit's drain waited its whole limit."""
+    for step in (10, 20):
+        local_checkpoint(tmp_path / "local-a", step, "a", ranks={"a": [0, 1]})
+    (tmp_path / "durable").mkdir()
+    r = replicator(tmp_path, "a")
+    real_scan, refusing = r._scan, [True]
+
+    def scan(root):
+        if refusing[0] and root == r.durable_root:
+            raise PermissionError(13, "Permission denied", str(root))
+        return real_scan(root)
+
+    monkeypatch.setattr(r, "_scan", scan)
+    r.start()  # its own look at the durable tier fails too: the thread's next look queues what it lacks
+    try:
+        r.notify(20)  # the ranks' commit
+        assert not r.drain(3.0) and r._thread.is_alive()
+        assert "Permission denied" in r.snapshot()["last_error"]
+        refusing[0] = False
+        assert r.drain(30.0), r.snapshot()
+        assert store.latest_valid(tmp_path / "durable").step == 20
+    finally:
+        r.stop()
+
+
 def test_a_step_with_nothing_to_write_is_no_news_that_a_failing_durable_tier_works_again(tmp_path):
     """A local step found damaged before any copy was taken for a success: "the durable tier works again" while it
     was still full, and the outage clock that lets retention delete uncopied steps began anew (audit)."""

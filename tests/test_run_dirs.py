@@ -389,6 +389,30 @@ def test_a_read_only_run_dir_or_checkpoint_root_stops_run_with_one_line(readonly
     assert len(out.stderr.splitlines()) == 1 and os.listdir(run_dir) == [], "nothing may be created"
 
 
+def test_run_on_a_full_disk_stops_with_one_sentence_before_anything_is_launched(small_disk, cli, monkeypatch):
+    """Review 9: the run dir's lock was written outside any handler, so a run dir on a disk that filled up ended
+    `resilient run` in a traceback."""
+    run_dir = small_disk / "run"
+    run_dir.mkdir()
+    with open(small_disk / "filler", "wb", buffering=0) as f:
+        for chunk in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError:
+                pass
+
+    def launcher():
+        raise AssertionError("nothing may be launched")
+
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", launcher)
+    result = cli("run", REPO / "jobs" / "tiny-cpu.yaml", "--run-dir", run_dir)
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert said.startswith(f"resilient: {run_dir}") and "No space left on device; nothing was launched. Free space " \
+        "there (or make it writable) and run again." in said, said
+
+
 def test_gc_on_a_read_only_root_removes_nothing_and_says_so(readonly_mounts, tmp_path):
     root = tmp_path / "ckpt"
     for s in (1, 2, 3):

@@ -21,8 +21,9 @@ def _local(host: str) -> bool:
     """`host` resolves (UsageError if not) to an address of this machine."""
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError as e:
-        raise UsageError(f"--host {host!r} does not resolve ({e.strerror or e}); give this machine's name or "
+    except (OSError, UnicodeError) as e:  # UnicodeError: a name IDNA cannot encode (an empty label, a long one)
+        why = getattr(e, "strerror", None) or e
+        raise UsageError(f"--host {host!r} does not resolve ({why}); give this machine's name or "
                          "address.") from None
     for family, kind, proto, _, addr in infos:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import os
 import signal
@@ -18,7 +19,7 @@ import psutil
 from supervisor import prewarm, slurm, state, targets
 from supervisor.config import NAME_RE, RDZV_CONF_KEYS, JobConfig, load_job
 from supervisor.console import EventConsole
-from supervisor.errors import ConfigError, UsageError
+from supervisor.errors import ConfigError, ResilientError, UsageError
 from supervisor.fsutil import read_json, write_problem
 from supervisor.layout import (
     HEARTBEATS_DIR,
@@ -52,7 +53,10 @@ def check_cwd(cfg: JobConfig) -> None:
         for name in OWN_PACKAGES:
             ours = installed / name
             for shadow in (folder / name, folder / f"{name}.py"):
-                if not shadow.exists() or shadow.resolve() == ours:
+                try:  # a folder this user cannot enter (or a link loop) shadows nothing: Python skips it too
+                    if not shadow.exists() or shadow.resolve() == ours:
+                        continue
+                except (OSError, RuntimeError):
                     continue
                 if entry is None:
                     raise ConfigError(f"{shadow} shadows resilient's own `{name}` package: every process of the run "
@@ -259,6 +263,21 @@ def make_launcher():  # tests replace this to capture the argv without starting 
 
 
 def main(job: str, overrides: list[str], node: str | None) -> int:
+    supervising = [False]
+    try:
+        return _run(job, overrides, node, supervising)
+    except OSError as e:  # the system's refusal (a full disk at the lock, a folder shut to this user), in words
+        where = e.filename if e.filename is not None else "the run dir"
+        why = e.strerror or e.__class__.__name__
+        fix = "Free space there (or make it writable)" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) \
+            else "Give this user access to it" if isinstance(e, PermissionError) else "Check that filesystem"
+        if supervising[0]:
+            raise ResilientError(f"{where}: {why}; the supervisor stopped. {fix}; `resilient run` again "
+                                 "resumes.") from e
+        raise ConfigError(f"{where}: {why}; nothing was launched. {fix} and run again.") from e
+
+
+def _run(job: str, overrides: list[str], node: str | None, supervising: list[bool]) -> int:
     from supervisor.supervise import Supervisor
 
     cfg = load_job(job, overrides)
@@ -309,6 +328,7 @@ def main(job: str, overrides: list[str], node: str | None) -> int:
         if signal.getsignal(signal.SIGTSTP) is not signal.SIG_IGN:
             previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, on_suspend(console))
         started = time.monotonic()
+        supervising[0] = True
         try:
             with console.library_warnings():
                 code = sup.run()
