@@ -311,7 +311,9 @@ def test_relaunches_on_prewarmed_workers_resume_bitwise_exact(tmp_path):
     def attempt_ranks(attempt: int, min_step: int = 0) -> list[dict]:
         return live_ranks(killed, min_step) if state(killed).get("attempt") == attempt else []
 
-    with started(run_job(killed, steps=80), tmp_path, log=tmp_path / "killed.log") as sup:
+    # Slower steps than the default (the same training): attempt 3's 20-40 steps once ran out before its ranks
+    # were seen training, on a loaded machine.
+    with started(run_job(killed, steps=80, sleep=0.08), tmp_path, log=tmp_path / "killed.log") as sup:
         for attempt, at_step in ((1, 30), (2, 50)):
             ranks = wait_for(lambda a=attempt, s=at_step: attempt_ranks(a, s), 90, f"attempt {attempt} training")
             os.kill(ranks[1]["pid"], signal.SIGKILL)
