@@ -181,6 +181,7 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
     if killed and root.exit_code >= 0 and NODE_LOST.search(
             (error_message(root.error_file) or "") + root.traceback + rank_log.get(root.rank, "")):
         root = killed[0]
+    root = _own_error_first(root, failures, said, rank_log)
     rank, code = root.rank, root.exit_code
     message = error_message(root.error_file) or ""
     log_text = rank_log.get(rank, "")
@@ -230,6 +231,24 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
                               step)
     detail = _last_line(message) or _last_line(log_text) or "no message"
     return AttemptOutcome(api.WORKER_EXIT, f"{where} exited with code {code}: {detail}", rank, code, step)
+
+
+def _own_error_first(root: Failure, failures: list[Failure], said: list[Heartbeat], rank_log: dict[int, str]
+                     ) -> Failure:
+    """A rank that raised an error of its own takes its peers down a moment later with "Connection closed by
+    peer", and torchrun's root cause is whichever exit it saw first: the first rank whose last heartbeat gives an
+    error that is not a lost peer is the cause (audit 8: a RuntimeError of rank 1 was reported, on one node, as
+    rank 0 losing a peer, with rank 0's log to read)."""
+    if root.exit_code <= 0 or not NODE_LOST.search((error_message(root.error_file) or "") + root.traceback
+                                                   + rank_log.get(root.rank, "")):
+        return root
+    own = [hb for hb in said if hb.rank != root.rank and hb.exit_code and hb.exit_code > 0
+           and not NODE_LOST.search(hb.exit_reason or "")]
+    if not own:  # every rank here lost a peer: another node went away
+        return root
+    first = own[0]
+    return next((f for f in failures if f.rank == first.rank), None) or Failure(
+        first.rank, first.local_rank, first.exit_code, first.pid, None, "")
 
 
 def _by_last_word(root: Failure | None, failures: list[Failure], heartbeats: dict[int, Heartbeat]
