@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import psutil
+
 from supervisor import api, classify, evidence, ranklogs, rdzv, state, store
 from supervisor.api import AttemptOutcome, AttemptSpec
 from supervisor.config import JobConfig
@@ -46,6 +48,10 @@ DISK_SCAN_S = 2.0  # commits made by a rank 0 on another node show up only on di
 # its --shutdown-timeout) for a peer that cannot act on SIGTERM (stopped, or stuck in a collective). Measured:
 # a gloo timeout with a SIGSTOPped peer, torchrun gone 30 s after the first rank failed.
 FAILED_RANK_GRACE_S = 5.0
+# Every rank finished and is gone, and torchrun has not exited this long after: it is stopped, or stuck in its
+# shutdown (a frozen rank proxy it waits on, a store host gone). Several nodes' torchruns wait for each other at
+# an exit barrier, which their ranks' lockstep finish passes within seconds.
+FINISHED_LINGER_S = 30.0
 
 
 class AttemptHandle(Protocol):
@@ -106,6 +112,7 @@ class Attempt:
         self._world: int | None = None
         self._resume_noted = False
         self._failed_seen_at = 0.0
+        self._finished_seen_at = 0.0
         self._stop_deadline: float | None = None  # a stop's grace ends then (monotonic)
 
     # ---- the lifecycle ----------------------------------------------------------------------------
@@ -150,7 +157,7 @@ class Attempt:
             rc = handle.wait(POLL_S)
             now = self.clock()
             heartbeats = current_group(read_heartbeats(self.spec.heartbeat_dir)) or heartbeats
-            watch.observe(heartbeats, now)
+            watch.observe(heartbeats, now, time.time())
             handle.track(hb.pid for hb in heartbeats.values())
             ranklogs.link(self.spec.logs_dir, heartbeats)
             self.listener.on_records(self._steps.poll(), self.rec)
@@ -171,6 +178,8 @@ class Attempt:
             failed = self._failed_rank(heartbeats, now)
             if failed is not None and now - self._failed_seen_at >= FAILED_RANK_GRACE_S:
                 return self._take_over(failed, handle, heartbeats, watch, oom_before, now)
+            if self._all_finished(heartbeats, expected, now) and now - self._finished_seen_at >= FINISHED_LINGER_S:
+                return self._finished_without_torchrun(handle, heartbeats, watch, oom_before, now)
             if self.listener.stop_signal() is not None:
                 return self._stop(handle, heartbeats, None)
             hangs = watch.hangs(now)
@@ -196,6 +205,22 @@ class Attempt:
             self._capture(handle, stuck, heartbeats)
         handle.stop(grace_s=HANG_STOP_GRACE_S)
         return self._ended(1, handle, heartbeats, watch, oom_before, silent)  # a worker failure, as torchrun says
+
+    def _finished_without_torchrun(self, handle: AttemptHandle, heartbeats: dict[int, Heartbeat], watch: RankWatch,
+                                   oom_before: int | None, now: float) -> AttemptOutcome:
+        """Every rank finished and is gone, and torchrun does not exit (audit 8: a SIGSTOPped torchrun, or a frozen
+        rank proxy, left the run `running` for good, then `stopped` by the user's SIGTERM): say what torchrun is
+        doing, stop it, and end the attempt as its ranks did."""
+        try:
+            what = psutil.Process(handle.pid).status()
+        except psutil.Error:
+            what = "gone"
+        self.console.event(f"attempt {self.spec.attempt}: every rank finished {now - self._finished_seen_at:.0f}s "
+                           f"ago and torchrun has not exited (its state: {what}): stopping it", style="yellow")
+        handle.stop(grace_s=HANG_STOP_GRACE_S)
+        outcome = self._ended(0, handle, heartbeats, watch, oom_before)
+        outcome.detail += f"; torchrun did not exit after them (its state: {what}) and was stopped"
+        return outcome
 
     def _ended(self, rc: int, handle: AttemptHandle, heartbeats: dict[int, Heartbeat], watch: RankWatch,
                oom_before: int | None, silent: list[tuple[float, int]] | None = None) -> AttemptOutcome:
@@ -319,6 +344,17 @@ class Attempt:
         if not self._failed_seen_at:
             self._failed_seen_at = now
         return failed[0]
+
+    def _all_finished(self, heartbeats: dict[int, Heartbeat], expected: int | None, now: float) -> bool:
+        """Every rank of this node has exited 0 and its process is gone (the count known on one node); notes when
+        that was first seen."""
+        done = bool(heartbeats) and (expected is None or len(heartbeats) >= expected) and all(
+            hb.phase == "exited" and hb.exit_code == 0 and not _running(hb.pid) for hb in heartbeats.values())
+        if not done:
+            self._finished_seen_at = 0.0
+        elif not self._finished_seen_at:
+            self._finished_seen_at = now
+        return done
 
     def _scan_for_commits(self) -> None:
         newest = store.latest_valid(self.cfg.checkpoint.dir)
@@ -453,3 +489,8 @@ def local_stderr_paths(spec: AttemptSpec) -> dict[int, Path]:
             if p.parent.name.isdigit()}
 
 
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
