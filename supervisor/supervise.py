@@ -468,6 +468,7 @@ class Supervisor:
         deadline = time.monotonic() + seconds
         while self._stop_signal is None and (left := deadline - time.monotonic()) > 0:
             time.sleep(min(STOP_POLL_S, left))
+            self.save_state(force=False)  # once a second: `status` tells a live supervisor from a stopped one
 
     # ---- endings ----------------------------------------------------------------------------------
 

@@ -71,6 +71,9 @@ class Hang:
         return f"no heartbeat from any rank after {self.for_s:.0f}s"
 
 
+OBSERVE_GAP_S = 5.0  # looks this far apart: the supervisor did not look in between (its poll is 0.5 s)
+
+
 @dataclass
 class RankWatch:
     launched_at: float
@@ -82,8 +85,21 @@ class RankWatch:
     save_timeout_s: float | None = None  # None: startup_timeout_s
     seen: dict[int, RankSeen] = field(default_factory=dict)
     group_started_at: float | None = None  # torchrun re-formed the group in place (a node joined)
+    observed_at: float | None = None
 
-    def observe(self, heartbeats: dict[int, Heartbeat], now: float) -> None:
+    def observe(self, heartbeats: dict[int, Heartbeat], now: float, wall: float | None = None) -> None:
+        """Take the ranks' latest beats, seen at `now`. After a gap in the looking (the supervisor was stopped,
+        or starved of CPU), a beat that changed meanwhile is dated by its own clock (`wall`: this host's time.time(),
+        which the ranks on this node write), not by `now`: a rank silent since before the gap is caught on the
+        first look after it, not a whole timeout later (audit 8)."""
+        gap = self.observed_at is not None and now - self.observed_at > OBSERVE_GAP_S
+        self.observed_at = now
+
+        def dated(at: float | None, floor: float) -> float:
+            if not gap or at is None or wall is None:
+                return now
+            return min(now, max(floor, now - max(0.0, wall - at)))
+
         for rank in [r for r in self.seen if r not in heartbeats]:
             del self.seen[rank]  # a rank of an older worker group
         for rank, hb in heartbeats.items():
@@ -94,9 +110,10 @@ class RankWatch:
                 self.seen[rank] = RankSeen(hb, now, now)
                 continue
             if hb.seq != prev.hb.seq:
-                prev.seq_at = now
+                prev.seq_at = dated(hb.time, prev.seq_at)
             if hb.step != prev.hb.step or hb.phase != prev.hb.phase:
-                prev.step_at = now  # leaving a save or a load is progress: its time is not "no progress"
+                # leaving a save or a load is progress: its time is not "no progress"
+                prev.step_at = dated(hb.progress_at or hb.time, prev.step_at)
             prev.hb = hb
 
     def limit_s(self, rank: int) -> float:

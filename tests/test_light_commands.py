@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from supervisor import api, state, store
 from supervisor.lock import RunLock
 from tests.ckpt_helpers import flip_byte, truncate, write_checkpoint
-from tests.proc import REPO
+from tests.proc import REPO, wait_for
 
 INSPECT_FIELDS = {"step", "path", "status", "reason", "size_bytes", "files", "world_size", "created_at"}
 
@@ -812,6 +814,31 @@ def test_inspect_of_one_checkpoint_folder_with_another_step_is_one_sentence(tmp_
     r = cli("inspect-checkpoint", folder, "--step", "250")
     assert r.exit_code == 2 and f"{folder} is the checkpoint of step 300, not 250: drop --step" in r.stderr, r.output
     assert cli("inspect-checkpoint", folder, "--step", "300").exit_code == 0
+
+
+def test_status_says_when_a_live_supervisor_is_stopped_and_its_record_old(tmp_path, cli):
+    """Audit 8: with the supervisor stopped (Ctrl-Z, SIGSTOP), status showed its last record as the present: ranks
+    23 s silent against a 10 s limit, still `running`, the supervisor `alive`."""
+    sleeper = subprocess.Popen(["sleep", "60"])  # stands in for the supervisor: the test holds the lock
+    try:
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        wait_for(lambda: psutil.Process(sleeper.pid).status() == psutil.STATUS_STOPPED, 10, "the stand-in stopped")
+        _state_file(tmp_path, state=state.RunState.RUNNING, step=10,
+                    supervisor={"pid": sleeper.pid, "host": socket.gethostname()})
+        with RunLock(tmp_path):
+            said = " ".join(cli("status", tmp_path).stdout.split())
+            assert "(alive but stopped (Ctrl-Z or SIGSTOP): nothing watches the ranks; what follows is " in said, said
+            os.kill(sleeper.pid, signal.SIGCONT)
+            wait_for(lambda: psutil.Process(sleeper.pid).status() != psutil.STATUS_STOPPED, 10, "the stand-in on")
+            assert "(alive)" in " ".join(cli("status", tmp_path).stdout.split())  # a record of a second ago
+            doc = json.loads((tmp_path / "state.json").read_text())
+            doc["updated_at"] -= 120
+            (tmp_path / "state.json").write_text(json.dumps(doc))
+            said = " ".join(cli("status", tmp_path).stdout.split())
+            assert "(alive, but what follows is 120s old: it is busy" in said, said
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_status_watch_into_a_reader_that_leaves_exits_0(tmp_path):

@@ -160,6 +160,26 @@ def test_classify_prefers_the_killed_rank_over_its_collateral(tmp_path):
     assert (out.reason, out.failed_rank) == (api.WORKER_SIGNAL, 1)
 
 
+def test_classify_prefers_a_ranks_own_error_over_the_peer_it_took_down(tmp_path):
+    """Audit 8: rank 1 raised a RuntimeError; rank 0 failed 46 ms later with "Connection closed by peer", and torchrun
+    named rank 0 as the root cause: every attempt was reported as node_lost on one node, with rank 0's log."""
+    text = summary(rank=0, code=1, sig="", traceback="...",
+                   root_error=error_json(tmp_path, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:2951"))
+    text = text.replace("rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 15575)",
+                        "rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 15575)")
+    hbs = {0: hb(0, step=30, phase="exited", exit_code=1, time=10.046,
+                 exit_reason="RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:2951"),
+           1: hb(1, step=30, phase="exited", exit_code=1, time=10.0,
+                 exit_reason="RuntimeError: crash 30 steps after resume, at step 30")}
+    out = classify.classify(1, text, hbs, rank_log={1: "RuntimeError: crash 30 steps after resume, at step 30\n"})
+    assert (out.reason, out.failed_rank) == (api.WORKER_EXIT, 1), out
+    assert "crash 30 steps after resume" in out.detail, out.detail
+    # Every rank here lost a peer: another node went away, as before.
+    lost = {r: hb(r, step=30, phase="exited", exit_code=1, exit_reason="RuntimeError: Connection closed by peer")
+            for r in (0, 1)}
+    assert classify.classify(1, text, lost).reason == api.NODE_LOST
+
+
 def test_classify_without_a_summary():
     assert classify.classify(0, "", {}).reason == api.FINISHED
     assert classify.classify(-9, "", {}).reason == api.LAUNCHER_DIED
@@ -313,6 +333,25 @@ def test_hang_rules_with_injected_time():
     w3.observe({0: hb(0, phase="startup", seq=1)}, now=25)
     w3.observe({0: hb(0, phase="startup", seq=2)}, now=30)
     assert [h.kind for h in w3.hangs(31)] == [STARTUP]
+
+
+def test_after_a_gap_in_the_looking_a_beat_is_dated_by_its_own_clock():
+    """Audit 8: the supervisor stopped for 21 s, and a rank stopped 2 s after it: on its return the rank's last beat
+    (new to it) was stamped with the time of the look, and the hang was caught a whole timeout later."""
+    w = RankWatch(launched_at=0.0, timeout_s=10, startup_timeout_s=100)
+    for t in range(1, 11):  # wall clock = t + 1000
+        w.observe({0: hb(0, phase="train", seq=t, step=t, time=t + 1000.0, progress_at=t + 1000.0),
+                   1: hb(1, phase="train", seq=t, step=t, time=t + 1000.0, progress_at=t + 1000.0)},
+                  now=t, wall=t + 1000)
+    # The supervisor looks again at 31: rank 0 beat until 30, rank 1 stopped at 12.
+    w.observe({0: hb(0, phase="train", seq=40, step=30, time=1030.0, progress_at=1030.0),
+               1: hb(1, phase="train", seq=12, step=12, time=1012.0, progress_at=1012.0)}, now=31, wall=1031)
+    hangs = w.hangs(31)
+    assert [(h.rank, h.kind) for h in hangs] == [(1, SILENT)] and hangs[0].for_s == pytest.approx(19), hangs
+    # Without a gap a beat is dated by the look, whatever its clock says (another host's, a skewed one).
+    w.observe({0: hb(0, phase="train", seq=41, step=31, time=900.0, progress_at=900.0),
+               1: hb(1, phase="train", seq=13, step=13, time=900.0, progress_at=900.0)}, now=31.5, wall=1031.5)
+    assert w.hangs(32) == []
 
 
 def test_of_two_ranks_without_progress_the_one_not_waiting_at_the_step_end_agreement_is_named():
@@ -1146,6 +1185,28 @@ def test_a_torchrun_with_no_workers_is_a_rendezvous_only_where_it_has_one(tmp_pa
         assert json.loads(evidence.read_text())["torchrun"]["pid"] == handle.pid
     else:
         assert not evidence.exists() and "torchrun started no workers in" in outcome.detail
+
+
+def test_ranks_that_all_finished_under_a_torchrun_that_does_not_exit_end_the_attempt_as_finished(tmp_path):
+    """Audit 8: a SIGSTOPped torchrun (or a frozen rank proxy it waits on) outlived ranks that had all finished: the
+    run stayed `running` for good, and the user's SIGTERM then recorded it `stopped`, exit 143."""
+    from supervisor.attempt import FINISHED_LINGER_S
+
+    handle = SilentTorchrun(tmp_path / "logs" / "attempt_1" / "torchrun.log")
+    handle.stops = []
+    handle.stop = lambda grace_s: handle.stops.append(grace_s) or []
+    hb_dir = tmp_path / "hb"
+    hb_dir.mkdir()
+    for rank in (0, 1):  # their processes are gone (no such pid)
+        write_heartbeat(hb_dir, Heartbeat(rank, 2**22 - 2 - rank, attempt=1, world_size=2, step=120, phase="exited",
+                                          exit_code=0, exit_reason="finished", first_step_at=1.0))
+    ticks = iter(range(10_000))
+    attempt, _, _ = fake_attempt(tmp_path, "name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\n",
+                                 handle, clock=lambda: float(next(ticks)))
+    outcome = attempt.run()
+    assert (outcome.reason, outcome.exit_code, outcome.step) == (api.FINISHED, 0, 120), outcome
+    assert "torchrun did not exit after them" in outcome.detail and handle.stops
+    assert FINISHED_LINGER_S <= next(ticks) <= FINISHED_LINGER_S + 10  # ended once the linger ran out, not before
 
 
 class TorchrunGoneBeforeItsRanks(FakeHandle):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -178,6 +181,8 @@ class StatusResult:
         st = self.state.value
         sup = rec.supervisor
         alive = Text("alive") if p.supervisor_alive else Text("not running", style="red")
+        if p.supervisor_alive and not rec.state.final and (stale := _stale(sup, self.now - rec.updated_at)):
+            alive = Text(stale, style="yellow")
         ckpt = rec.last_checkpoint_step if rec.last_checkpoint_step is not None else "-"
         gone = self.recorded_checkpoint_gone()
         lines: list[str | Text] = [
@@ -431,6 +436,24 @@ def _plot_path(plot: str) -> Path:
     if not path.parent.is_dir():
         raise UsageError(f"--plot {plot}: the folder {path.parent} does not exist; create it or pick another.")
     return path
+
+
+STALE_RECORD_S = 60.0  # a live supervisor writes its record every second while it watches, and between attempts
+
+
+def _stale(sup: dict, age: float) -> str | None:
+    """Why a live supervisor's record is old, if it is (audit 8: a stopped supervisor's record was shown as the
+    present, ranks 23 s silent against a 10 s limit and still `running`)."""
+    stopped = False
+    if sup.get("host") == socket.gethostname() and isinstance(sup.get("pid"), int):
+        with contextlib.suppress(psutil.Error, ValueError):
+            stopped = psutil.Process(sup["pid"]).status() == psutil.STATUS_STOPPED
+    if stopped:
+        return (f"alive but stopped (Ctrl-Z or SIGSTOP): nothing watches the ranks; what follows is {age:.0f}s old; "
+                "`fg` or `kill -CONT` it")
+    if age > STALE_RECORD_S:
+        return f"alive, but what follows is {age:.0f}s old: it is busy (a long check of a checkpoint) or starved"
+    return None
 
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
