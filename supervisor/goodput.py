@@ -114,6 +114,14 @@ class Accounting:
                 relaunch = True
         self.attempts.append(AttemptAccount(attempt, t, resume_step, relaunch=relaunch))
 
+    def down_until(self, t: float) -> None:
+        """The session ends between attempts (a stop in the backoff): the time since this session's last attempt
+        ended is down time, as it is when a relaunch follows (audit 8: the parts no longer added up to the wall)."""
+        prev = self.attempts[-1] if self.attempts else None
+        if prev is not None and prev.ended_at is not None and self.session_started is not None \
+                and prev.ended_at >= self.session_started:
+            self.down_s += max(0.0, t - prev.ended_at)
+
     def resumed(self, step: int | None) -> None:
         """The ranks of the current attempt resumed from `step`, which may differ from what it was launched with
         (the nodes agreed on another, or they read a newer local-tier copy): charge the previous attempt again."""

@@ -456,6 +456,7 @@ class Supervisor:
     def _before_relaunch(self, decision: Decision) -> int | None:
         """Set aside what the decision says, wait the backoff; returns the step to resume below, if any."""
         self.resume.set_aside(decision)
+        self._settle()  # `status` in the backoff: the failed attempt's lost steps now (the launch charges anew)
         self._transition(RunState.RESTARTING)
         if decision.resume_below is not None and not decision.quarantine_once_older_loads:
             self.console.event(f"rolling back: resuming below step {decision.resume_below} once", style="yellow")
@@ -492,6 +493,8 @@ class Supervisor:
 
     def _stopped(self, outcome: AttemptOutcome | None) -> int:
         self._settle()
+        if outcome is None:  # between attempts: a backoff the stop cut short is down time, as a relaunch's is
+            self.accounting.down_until(time.time())
         sig = self._stop_signal or signal.SIGTERM
         self.record.message = outcome.detail if outcome else f"stopped by {signal.Signals(sig).name}"
         self._transition(RunState.STOPPED)

@@ -154,3 +154,24 @@ def test_the_benchmarks_save_cost_counts_the_step_in_progress_at_the_commit():
     blocking, effective = analyze.save_costs([seg], final_step=39, base_s=0.05)
     assert blocking == [0.009] * 3
     assert effective == pytest.approx([0.009 + 0.035, 0.009 + 0.035, 0.009])
+
+
+def test_a_stop_in_the_backoff_books_the_backoff_as_down_time():
+    """Audit 8: a stop 7 s into a 10 s backoff left those 7 s in no part: the parts no longer added up to the wall."""
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, None)
+    run_steps(acc, 1, 29, 2.5, 0.1, {20: 0.0})
+    acc.end(5.5)  # a rank killed at step 29
+    acc.settle(20)  # what status shows during the backoff
+    assert acc.summary(6.0)["lost_steps"] == 9
+    acc.down_until(12.5)  # the stop, 7 s into the backoff
+    acc.end_session(12.6)
+    s = acc.summary(13.0)
+    assert s["down_s"] == pytest.approx(7.0) and s["lost_steps"] == 9
+    parts = s["startup_s"] + s["train_s"] + s["tail_s"] + s["down_s"]
+    assert parts == pytest.approx(12.5)  # the rest (0.1 s) is the supervisor's own finish
+    acc.start_session(100.0)  # a rerun: the backoff was booked already, the hours between sessions are not down
+    acc.down_until(101.0)
+    acc.launch(2, 101.0, 20)
+    assert acc.down_s == pytest.approx(7.0)
