@@ -12,6 +12,7 @@ loop owns everything that outlives an attempt (history, accounting, the interval
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import time
@@ -89,7 +90,10 @@ class AttemptListener(Protocol):
         """The ranks loaded `step` from `tier` (None without a local tier), in an attempt launched then."""
 
     def stop_signal(self) -> int | None:
-        """The signal the supervisor was asked to stop with, if any."""
+        """The signal the supervisor was asked to stop with, if any (the first, when several came)."""
+
+    def stop_signals_since(self) -> int:
+        """How many stop signals came after the first."""
 
 
 def explained_by_stop(outcome: AttemptOutcome) -> bool:
@@ -286,7 +290,9 @@ class Attempt:
         also = f"; the state of {len(unheard)} worker(s) that never beat" if unheard else ""
         if theirs:
             also += f", stack dumps from {', '.join(theirs)}"
-        self.console.event(f"hang evidence in {out} (stack dumps from ranks {dumped or 'none'}{also})")
+        dumps = f"stack dumps from ranks {dumped}" if dumped else "no rank's stack dumped" if heartbeats else \
+            "no rank to dump: torchrun's own state recorded"
+        self.console.event(f"hang evidence in {out} ({dumps}{also})")
         return out
 
     def _stop(self, handle: AttemptHandle, heartbeats: dict[int, Heartbeat], rc: int | None) -> AttemptOutcome:
@@ -300,7 +306,14 @@ class Attempt:
                                f"{self.cfg.stop_timeout_s:.0f}s)", style="yellow")
             handle.signal_ranks(signal.SIGTERM)
             handle.signal_ranks(signal.SIGCONT)  # a stopped rank (SIGSTOP, a debugger) acts on it only once continued
-            rc = handle.wait(self.cfg.stop_timeout_s + 5)
+            rc, told = None, self.listener.stop_signals_since()
+            while rc is None and (left := deadline - time.monotonic()) > 0:
+                rc = handle.wait(min(0.5, left))
+                if self.listener.stop_signals_since() > told:  # audit 8: a second Ctrl-C met silence
+                    told = self.listener.stop_signals_since()
+                    self.console.event(f"already stopping: the ranks have up to {left:.0f}s more to checkpoint; "
+                                       f"SIGKILL the supervisor (pid {os.getpid()}) to abandon the stop",
+                                       style="yellow")
         else:
             self.console.event(f"{name}: the ranks had it too and have already stopped (torchrun exited with "
                                f"{rc})", style="yellow")
@@ -430,9 +443,10 @@ class Attempt:
         """The rank that timed out is rarely the one that hung: (silence, rank) of the two longest silent."""
         limit = STALL_FLOOR_BEATS * self.cfg.heartbeat.interval_s
         ages = watch.ages(self.clock())
+        # A rank whose process is gone (killed) did not hang: it is no suspect, whatever its silence.
         silent = sorted(((age, r) for r, age in ages.items()
-                         if age > limit and r != failed and heartbeats.get(r) and heartbeats[r].phase != "exited"),
-                        reverse=True)
+                         if age > limit and r != failed and heartbeats.get(r) and heartbeats[r].phase != "exited"
+                         and _running(heartbeats[r].pid)), reverse=True)
         return silent[:2]
 
 

@@ -189,9 +189,8 @@ def classify(rc: int, torchrun_output: str, heartbeats: dict[int, Heartbeat],
     where = f"rank {rank}"
     if code == EXIT_PREEMPTED:
         # A stop reached the group: a SIGTERM to this node's ranks, or to another node's, whose ranks told the rest.
-        return AttemptOutcome(api.PREEMPTED, f"{where} stopped with a checkpoint and exited with code {code}: a "
-                              "stop reached the group (a SIGTERM, to this node or another)",
-                              rank, code, step)
+        return AttemptOutcome(api.PREEMPTED, f"{where} exited with code {code}, a rank's code for a stop that "
+                              "reached the group (a SIGTERM, to this node or another)", rank, code, step)
     if code == EXIT_NAN:  # the rank names the step whose loss it was; an older one said only "nan"
         hb = heartbeats.get(rank)
         said = re.search(r"at step (\d+)", hb.exit_reason or "") if hb is not None else None

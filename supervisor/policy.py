@@ -124,7 +124,7 @@ class RestartPolicy:
             return self._stop(f"{outcome.reason} is not retryable: {outcome.detail}")
         if self.no_progress >= self.cfg.crash_loop_attempts:
             recent = self.failures[-self.no_progress:]
-            steps = sorted({o.step for o in recent if o.step is not None})
+            steps = sorted({o.step for o in recent if o.step})  # step 0: a fresh start's ranks ran no step
             at = ("before their first step" if not steps else f"at step {steps[0]}" if len(steps) == 1
                   else f"at steps {', '.join(map(str, steps))}")
             return self._stop(f"crash loop: {self.no_progress} consecutive attempts made no new valid checkpoint, "

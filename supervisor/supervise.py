@@ -66,6 +66,7 @@ class Supervisor:
         self.clock = clock
         self.policy = RestartPolicy(cfg.restart, rendezvous_s=float(cfg.rdzv.conf.get("join_timeout", 600)))
         self._stop_signal: int | None = None
+        self._stops_since = 0
         self._launched_at: float | None = None  # when the current attempt began (self.clock())
         self._blocking: dict[int, float] = {}
         self._announced: set[tuple[int, int]] = set()  # (attempt, step): a rollback's attempt commits a step again
@@ -430,7 +431,13 @@ class Supervisor:
         """From a signal handler: stop gracefully (the ranks checkpoint), then exit 143/130. It sets one attribute
         and takes no lock: a handler runs between any two bytecodes of the main thread, and one that took a lock
         (a threading.Event's, as this did) could block for good on the lock it interrupted."""
-        self._stop_signal = signum
+        if self._stop_signal is None:  # the first decides the exit code; later ones are acknowledged
+            self._stop_signal = signum
+        else:
+            self._stops_since += 1
+
+    def stop_signals_since(self) -> int:
+        return self._stops_since
 
     # ---- after a failed attempt ---------------------------------------------------------------------
 
@@ -540,7 +547,8 @@ class Supervisor:
         newest = store.latest_valid(self.cfg.checkpoint.dir)
         look = outcome.log_hint or str(spec.logs_dir)
         at = self.record.history[-1].step_at_failure if self.record.history else outcome.step
-        rank_hint = f" (rank {outcome.failed_rank}'s stderr.log under it)" if outcome.failed_rank is not None else ""
+        rank_hint = "" if outcome.failed_rank is None else f" (rank {outcome.failed_rank}'s stderr.log under it)" \
+            if outcome.log_hint is None else f" (and rank {outcome.failed_rank}'s stderr.log under {spec.logs_dir})"
         return self._end_failed(
             f"resilient stopped the run: {why.rstrip('.')}. Attempt {spec.attempt} ended "  # DCP's end in one
             f"{'before its first step' if at is None else f'at step {at}'}; "
@@ -656,7 +664,8 @@ class Supervisor:
         if self._interval is None or (may_move and abs(choice.steps - self._interval) >= max(0.1 * self._interval, 2)):
             write_control(self.control_file, Control(choice.steps, choice.why))
             if self._interval is not None or choice.seconds is not None:
-                self.console.event(f"checkpoint interval {self._interval or '-'} → {choice.steps} steps ({choice.why})")
+                moved = f"{self._interval} → " if self._interval is not None else ""  # a rerun's first: no arrow
+                self.console.event(f"checkpoint interval {moved}{choice.steps} steps ({choice.why})")
             self._interval = choice.steps
             self._measured_interval = choice.seconds is not None
         shown = choice.to_dict()  # `steps` is the interval in force; a choice not (yet) taken is shown beside

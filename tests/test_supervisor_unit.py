@@ -189,7 +189,8 @@ def test_classify_without_a_summary():
     assert "non-finite loss at step 120" in classify.classify(1, "", said).detail  # it said "near step 119"
     said = {0: hb(0, exit_code=EXIT_PREEMPTED, exit_reason="preempted", time=5.0)}
     out = classify.classify(1, "", said)  # perhaps another node's SIGTERM: it said "was preempted (SIGTERM)"
-    assert out.reason == api.PREEMPTED and "a stop reached the group (a SIGTERM, to this node or another)" in out.detail
+    assert out.reason == api.PREEMPTED and "a stop that reached the group (a SIGTERM, to this node or another)" \
+        in out.detail
     assert classify.classify(1, "torch.distributed.DistStoreError: wait timeout", {}).reason == api.RENDEZVOUS
     closed = "torch.distributed.elastic.rendezvous.api.RendezvousClosedError"
     assert classify.classify(1, closed, {0: hb(0)}).reason == api.RENDEZVOUS
@@ -1152,7 +1153,8 @@ def fake_attempt(tmp_path, job_text, handle, *, attempt=1, resumed_from=None, ha
     hb_dir.mkdir(exist_ok=True)
     spec = AttemptSpec(attempt, resumed_from, None, logs, hb_dir, tmp_path / "steps.jsonl", tmp_path / "control.json")
     listener = SimpleNamespace(on_records=lambda *a: None, on_checkpoint=lambda *a, **k: None, on_tick=lambda: None,
-                               on_resumed=on_resumed, stop_signal=lambda: stop_signal)
+                               on_resumed=on_resumed, stop_signal=lambda: stop_signal,
+                               stop_signals_since=lambda: 0)
     console = SimpleNamespace(event=lambda text, style=None: None)
     rec = state.AttemptRecord(attempt=attempt, started_at=0.0, resumed_from_step=resumed_from)
     run = state.RunRecord(name="demo", run_dir=".", checkpoint_dir=str(cfg.checkpoint.dir))
@@ -1328,6 +1330,31 @@ class TorchrunOutlivesTheGrace(TorchrunGoneBeforeItsRanks):
     def wait(self, timeout):
         time.sleep(min(timeout, 0.1))
         return None
+
+
+def test_a_second_stop_signal_is_acknowledged_and_the_first_keeps_the_exit_code(tmp_path):
+    """Audit 8: a second Ctrl-C during a long stop met silence, and the exit code followed the last signal (130 after
+    a SIGTERM then a SIGINT, where a wrapper maps 143 to a requeue)."""
+    from types import SimpleNamespace
+
+    from supervisor.supervise import Supervisor
+
+    sup = Supervisor.__new__(Supervisor)
+    sup._stop_signal, sup._stops_since = None, 0
+    sup.request_stop(signal.SIGTERM)
+    sup.request_stop(signal.SIGINT)
+    assert sup.stop_signal() == signal.SIGTERM and sup.stop_signals_since() == 1
+    handle = TorchrunGoneBeforeItsRanks(tmp_path / "logs" / "attempt_1" / "torchrun.log", tmp_path / "hb")
+    waits = iter([None, None, None, 75])
+    handle.wait = lambda timeout: next(waits, 75)
+    attempt, _, _ = fake_attempt(tmp_path, "name: demo\nentrypoint: {module: train_entry}\nnproc_per_node: 2\n",
+                                 handle, stop_signal=signal.SIGTERM)
+    said: list[str] = []
+    attempt.console = SimpleNamespace(event=lambda text, style=None: said.append(text))
+    repeats = iter([0, 0, 1, 1, 1])
+    attempt.listener.stop_signals_since = lambda: next(repeats, 1)
+    assert attempt.run().reason == api.STOPPED
+    assert [t for t in said if t.startswith("already stopping: the ranks have up to")] == [said[1]], said
 
 
 @pytest.mark.parametrize("handle_type", [TorchrunGoneBeforeItsRanks, TorchrunOutlivesTheGrace])

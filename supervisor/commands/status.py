@@ -198,7 +198,10 @@ class StatusResult:
             lines.append(note)
         ci = rec.checkpoint_interval
         if ci:
-            lines.append(f"interval  {ci.get('steps')} steps ({ci.get('mode')}: {ci.get('why', '')})")
+            # A choice not taken (within 10 % and 2 steps of the one in force) is named as such, not left to
+            # contradict the interval shown (audit 8: "7 steps (auto: … = 6 steps of 131.5ms)").
+            kept = f"; {ci['proposed_steps']} proposed, not taken yet" if ci.get("proposed_steps") else ""
+            lines.append(f"interval  {ci.get('steps')} steps ({ci.get('mode')}: {ci.get('why', '')}{kept})")
         if len(self.nodes) > 1:
             nodes: list[str | Text] = ["nodes     "]
             for i, n in enumerate(self.nodes):
