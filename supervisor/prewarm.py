@@ -115,12 +115,17 @@ class PrewarmServer:
             conn.close()
             log.warning("prewarm server unreachable (%s): starting torchrun normally", e)
             return None
+        conn.settimeout(ANSWER_S)  # audit 8: a stopped server held the relaunch, and every signal, for good
         first = prewarm_client.request(conn, argv, env, cwd, stdio, role=LAUNCHER)
         if "pid" not in first:
             conn.close()
             log.warning("prewarm server did not fork torchrun (%s): starting it normally",
                         first.get("refused", "no answer"))
+            if "refused" not in first:  # gone, or not answering: no later launch is routed through it
+                self.popen.kill()
+                self.popen.wait()
             return None
+        conn.settimeout(None)
         return ForkedProcess(int(first["pid"]), conn)
 
     def close(self) -> None:
@@ -134,6 +139,10 @@ class PrewarmServer:
                 self.popen.wait(timeout=5)
         if self.popen.stdout is not None:
             self.popen.stdout.close()
+
+
+ANSWER_S = 10.0  # the server answers a launch with the fork's pid in milliseconds; one that does not is stuck
+STATUS_WAIT_S = 1.0  # a process the server forked has ended: how long the server may take to send its status
 
 
 class ForkedProcess:
@@ -159,15 +168,19 @@ class ForkedProcess:
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
-            source = self._conn if self._conn is not None else self._pidfd
-            if source is None:
+            sources = [s for s in (self._conn, self._pidfd) if s is not None]
+            if not sources:
                 self.returncode = 1
                 break
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([source], [], [], left)[0]:
+            ready = select.select(sources, [], [], left)[0]
+            if not ready:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            if source is self._pidfd:
-                self.returncode = 1  # it ended, but the server that reaped it is gone: how is unknown
+            if self._conn is None or (self._conn not in ready
+                                      and not select.select([self._conn], [], [], STATUS_WAIT_S)[0]):
+                # It ended, and the server that reaps it is gone or does not answer (stopped: audit 8, where each
+                # wait on it ran out its whole timeout): how it ended is unknown.
+                self.returncode = 1
                 break
             try:
                 status = json.loads(prewarm_client.read_line(self._conn) or b"{}").get("status")

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -195,6 +196,33 @@ def test_a_launcher_fork_outlives_the_server_and_its_end_is_still_seen(tmp_path)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(forked.pid, signal.SIGKILL)
             forked.close()
+        srv.close()
+
+
+def test_a_stopped_server_neither_hides_a_forks_end_nor_holds_a_launch(tmp_path, monkeypatch):
+    """Audit 8: with the server SIGSTOPped, a relaunch waited on its answer for good (no torchrun, no timeout, no
+    stop), and a fork's end was waited on until each wait's whole timeout ran out."""
+    srv = prewarm.PrewarmServer(child_env())
+    forked = None
+    try:
+        wait_for(srv.ready, 60, "a second prewarm server")
+        marker = tmp_path / "orphan"
+        forked = launch(srv, tmp_path, marker, "sleep")
+        wait_for(marker.exists, 30, "the fork")
+        os.kill(srv.popen.pid, signal.SIGSTOP)
+        os.kill(forked.pid, signal.SIGKILL)  # a zombie its stopped parent cannot reap
+        started = time.monotonic()
+        assert forked.wait(30) == 1 and time.monotonic() - started < 5, "ended, with a code nobody could read"
+        monkeypatch.setattr(prewarm, "ANSWER_S", 1.0)
+        started = time.monotonic()
+        with open(os.devnull, "rb") as null:
+            assert srv.launch(["-c", "pass"], child_env(), str(tmp_path), [null.fileno()] * 3) is None
+        assert time.monotonic() - started < 5 and not srv.alive(), "a server that does not answer is let go"
+    finally:
+        if forked is not None:
+            forked.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(srv.popen.pid, signal.SIGCONT)
         srv.close()
 
 
