@@ -50,9 +50,11 @@ DISK_SCAN_S = 2.0  # commits made by a rank 0 on another node show up only on di
 # a gloo timeout with a SIGSTOPped peer, torchrun gone 30 s after the first rank failed.
 FAILED_RANK_GRACE_S = 5.0
 # Every rank finished and is gone, and torchrun has not exited this long after: it is stopped, or stuck in its
-# shutdown (a frozen rank proxy it waits on, a store host gone). Several nodes' torchruns wait for each other at
-# an exit barrier, which their ranks' lockstep finish passes within seconds.
+# shutdown (a frozen rank proxy it waits on, a store host gone). On several nodes torchrun waits for the other
+# nodes' at an exit barrier (300 s, torch's default), while their ranks may still run code after finish(): there
+# it is stopped sooner only when it is itself stopped (SIGSTOP) or gone.
 FINISHED_LINGER_S = 30.0
+EXIT_BARRIER_S = 300.0
 
 
 class AttemptHandle(Protocol):
@@ -182,7 +184,7 @@ class Attempt:
             failed = self._failed_rank(heartbeats, now)
             if failed is not None and now - self._failed_seen_at >= FAILED_RANK_GRACE_S:
                 return self._take_over(failed, handle, heartbeats, watch, oom_before, now)
-            if self._all_finished(heartbeats, expected, now) and now - self._finished_seen_at >= FINISHED_LINGER_S:
+            if self._all_finished(heartbeats, expected, now) and self._lingered(handle, now):
                 return self._finished_without_torchrun(handle, heartbeats, watch, oom_before, now)
             if self.listener.stop_signal() is not None:
                 return self._stop(handle, heartbeats, None)
@@ -203,7 +205,7 @@ class Attempt:
         self.console.event(f"attempt {self.spec.attempt}: rank {failed.rank} exited ({failed.exit_reason}) "
                            f"{now - self._failed_seen_at:.0f}s ago and torchrun is still waiting for the others: "
                            "stopping them", style="yellow")
-        silent = self._silent_ranks(watch, heartbeats, failed.rank)
+        silent = self._silent_ranks(watch, heartbeats, failed.rank, live_only=True)
         stuck = [Hang(r, SILENT, age, heartbeats[r].step, heartbeats[r].phase) for age, r in silent]
         if stuck:
             self._capture(handle, stuck, heartbeats)
@@ -280,9 +282,10 @@ class Attempt:
         beating = {hb.pid for hb in heartbeats.values()}
         unheard = [pid for pid in handle.workers() if pid not in beating] \
             if any(h.kind == NO_HEARTBEAT for h in hangs) else []
+        launcher_only = not heartbeats and not unheard  # no rank to look at: torchrun's own state is the evidence
         doc = evidence.capture(hangs, heartbeats, rank_stderr_paths(self.spec, heartbeats), out,
                                run_dir=self.cfg.run_dir, unheard=unheard, local_stderr=local_stderr_paths(self.spec),
-                               launcher=handle.pid if not heartbeats and not unheard else None)
+                               launcher=handle.pid if launcher_only else None)
         dumped = [r["rank"] for r in doc["ranks"] if r.get("stack_dump")]
         unheard = doc.get("workers_without_heartbeat", [])
         theirs = [f"rank {w['rank']}" if w.get("rank") is not None else f"local rank {w.get('local_rank', '?')}"
@@ -290,8 +293,12 @@ class Attempt:
         also = f"; the state of {len(unheard)} worker(s) that never beat" if unheard else ""
         if theirs:
             also += f", stack dumps from {', '.join(theirs)}"
-        dumps = f"stack dumps from ranks {dumped}" if dumped else "no rank's stack dumped" if heartbeats else \
-            "no rank to dump: torchrun's own state recorded"
+        if dumped:
+            dumps = f"stack dumps from ranks {dumped}"
+        elif launcher_only:
+            dumps = "no rank to dump: torchrun's own state recorded"
+        else:
+            dumps = "no rank's stack dumped"
         self.console.event(f"hang evidence in {out} ({dumps}{also})")
         return out
 
@@ -309,6 +316,7 @@ class Attempt:
             rc, told = None, self.listener.stop_signals_since()
             while rc is None and (left := deadline - time.monotonic()) > 0:
                 rc = handle.wait(min(0.5, left))
+                self.listener.on_tick()  # the record stays fresh: `status` tells a long stop from a stopped supervisor
                 if self.listener.stop_signals_since() > told:  # audit 8: a second Ctrl-C met silence
                     told = self.listener.stop_signals_since()
                     self.console.event(f"already stopping: the ranks have up to {left:.0f}s more to checkpoint; "
@@ -368,6 +376,18 @@ class Attempt:
         elif not self._finished_seen_at:
             self._finished_seen_at = now
         return done
+
+    def _lingered(self, handle: AttemptHandle, now: float) -> bool:
+        """torchrun has outlived its finished ranks for long enough to be stopped (see FINISHED_LINGER_S)."""
+        waited = now - self._finished_seen_at
+        if waited < FINISHED_LINGER_S:
+            return False
+        if self.cfg.nnodes == "1" or waited >= EXIT_BARRIER_S + FINISHED_LINGER_S:
+            return True
+        try:
+            return psutil.Process(handle.pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return True
 
     def _scan_for_commits(self) -> None:
         newest = store.latest_valid(self.cfg.checkpoint.dir)
@@ -438,15 +458,16 @@ class Attempt:
         if heartbeats:
             self.run_record.step = max(hb.step for hb in heartbeats.values())
 
-    def _silent_ranks(self, watch: RankWatch, heartbeats: dict[int, Heartbeat],
-                      failed: int | None) -> list[tuple[float, int]]:
-        """The rank that timed out is rarely the one that hung: (silence, rank) of the two longest silent."""
+    def _silent_ranks(self, watch: RankWatch, heartbeats: dict[int, Heartbeat], failed: int | None, *,
+                      live_only: bool = False) -> list[tuple[float, int]]:
+        """The rank that timed out is rarely the one that hung: (silence, rank) of the two longest silent.
+        `live_only` while torchrun runs: a rank whose process is gone (killed) did not hang (after torchrun's
+        exit every rank is gone, and the silences are the clue)."""
         limit = STALL_FLOOR_BEATS * self.cfg.heartbeat.interval_s
         ages = watch.ages(self.clock())
-        # A rank whose process is gone (killed) did not hang: it is no suspect, whatever its silence.
         silent = sorted(((age, r) for r, age in ages.items()
                          if age > limit and r != failed and heartbeats.get(r) and heartbeats[r].phase != "exited"
-                         and _running(heartbeats[r].pid)), reverse=True)
+                         and (not live_only or _running(heartbeats[r].pid))), reverse=True)
         return silent[:2]
 
 

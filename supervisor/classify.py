@@ -41,7 +41,8 @@ NO_GPU = re.compile(r"ValueError: Cuda is not available")  # torchrun's determin
 RENDEZVOUS = re.compile(r"RendezvousConnectionError|RendezvousClosedError|RendezvousTimeoutError|"
                         r"RendezvousStateError|DistStoreError|The connection to the C10d store has failed")
 NODE_LOST = re.compile(r"Connection closed by peer|Broken pipe|Connection reset by peer|Connection refused|"
-                       r"RendezvousConnectionError|DistStoreError")
+                       r"RendezvousConnectionError|DistStoreError|"
+                       r"remote process exited or there was a network error|ncclRemoteError")  # NCCL's words
 CHECKPOINT = re.compile(r"checkpoint save failed|No space left on device")
 
 

@@ -828,7 +828,7 @@ def build_job(root: _Loc, path: Path, *, to_launch: bool = True) -> JobConfig:
     def resolve(p: str, key: str) -> Path:
         try:
             return (base / os.path.expanduser(p)).resolve()
-        except RuntimeError:  # Python 3.11's Path.resolve on a link loop (3.13: an OSError, ELOOP)
+        except RuntimeError:  # Python 3.11's Path.resolve on a loop of links
             raise ConfigError(f"{_where(root, key)}: {key} {p!r} leads through a loop of symbolic links; fix the "
                               "link or choose another path.") from None
 

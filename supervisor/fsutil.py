@@ -18,6 +18,8 @@ CHUNK = 64 << 20  # bytes per write and per hash update: few GIL acquisitions, b
 TAP_BLOCK = 1 << 20  # HashedFile.write's tap: hashed twice while in the cache
 
 
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})  # a folder that takes no more writes
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a directory's entries (creations, renames) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

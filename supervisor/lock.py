@@ -6,12 +6,14 @@ a stale lock never blocks a restart. The file also records who holds it, for the
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from supervisor.errors import ConfigError, RunLockedError, UsageError
@@ -46,12 +48,9 @@ class RunLock:
                 f"{who.get('host', '?')}); stop it first, or pick another --run-dir."
             ) from None
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        try:
+        with _named_on_error(fd, self.path):
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(info).encode(), 0)
-        except OSError as e:  # a full disk: named, so `run` can say where to free space
-            os.close(fd)
-            raise OSError(e.errno, e.strerror, str(self.path)) from None
         self._fd = fd
         return self
 
@@ -154,11 +153,8 @@ class RootClaim:
             fcntl.flock(fd, fcntl.LOCK_SH)
             info = json.dumps({"run_dir": str(self.run_dir), "pid": os.getpid(), "host": socket.gethostname(),
                                "node": self.node})
-            try:
+            with _named_on_error(fd, owners / self._name()):
                 os.pwrite(fd, info.encode().ljust(4096), 0)  # one run's nodes all write the same run dir
-            except OSError as e:
-                os.close(fd)
-                raise OSError(e.errno, e.strerror, str(owners / self._name())) from None
             self._fd = fd
         finally:
             os.close(mutex)  # closing drops the exclusive lock
@@ -255,3 +251,14 @@ def _holds_checkpoints(root: Path) -> bool:
         return bool(store.checkpoint_dirs(root, quarantined=True))
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def _named_on_error(fd: int, path: Path) -> Iterator[None]:
+    """Writes to a lock file: an OSError (a full disk) closes it and names it, so `run` can say where to free space
+    (os.pwrite's own error names no file)."""
+    try:
+        yield
+    except OSError as e:
+        os.close(fd)
+        raise OSError(e.errno, e.strerror, str(path)) from None

@@ -119,9 +119,9 @@ class PrewarmServer:
         first = prewarm_client.request(conn, argv, env, cwd, stdio, role=LAUNCHER)
         if "pid" not in first:
             conn.close()
-            log.warning("prewarm server did not fork torchrun (%s): starting it normally",
-                        first.get("refused", "no answer"))
-            if "refused" not in first:  # gone, or not answering: no later launch is routed through it
+            why = first.get("refused") or (f"no answer in {ANSWER_S:.0f}s" if first else "no answer")
+            log.warning("prewarm server did not fork torchrun (%s): starting it normally", why)
+            if first.get("unanswered"):  # stuck (stopped): no later launch is routed through it
                 self.popen.kill()
                 self.popen.wait()
             return None
@@ -142,7 +142,9 @@ class PrewarmServer:
 
 
 ANSWER_S = 10.0  # the server answers a launch with the fork's pid in milliseconds; one that does not is stuck
-STATUS_WAIT_S = 1.0  # a process the server forked has ended: how long the server may take to send its status
+# A process the server forked has ended: how long the server may take to send its status (a busy machine's
+# scheduler can keep an idle server waiting; one that is stopped costs this once per attempt).
+STATUS_WAIT_S = 5.0
 
 
 class ForkedProcess:

@@ -45,13 +45,16 @@ def _exec(argv: list[str]) -> NoReturn:
 def request(conn: socket.socket, argv: list[str], env: dict[str, str], cwd: str, stdio: list[int],
             role: str = "worker") -> dict:
     """Ask the server for a fork that runs `argv` (`-m MODULE ARGS` or `SCRIPT ARGS`) with this environment,
-    folder and stdin/stdout/stderr. Returns its first answer: {"pid": N}, {"refused": why}, or {} if the
-    server failed. Its last line, {"status": waitstatus}, follows on `conn` when the fork has ended."""
+    folder and stdin/stdout/stderr. Returns its first answer: {"pid": N}, {"refused": why}, {"unanswered": True}
+    if `conn` has a timeout and it ran out, or {} if the server failed. Its last line, {"status": waitstatus},
+    follows on `conn` when the fork has ended."""
     req = json.dumps({"argv": argv, "env": env, "cwd": cwd, "role": role}).encode() + b"\n"
     try:
         socket.send_fds(conn, [req[:1]], stdio)
         conn.sendall(req[1:])
         return json.loads(read_line(conn) or b"{}")
+    except TimeoutError:
+        return {"unanswered": True}
     except (OSError, ValueError):
         return {}
 

@@ -261,6 +261,8 @@ class Replicator:
             again = [s for s in steps if s not in self._handled or not self._part(s).exists()]
         except OSError as e:
             log.warning("looking for local steps the durable tier lacks: %s", e)
+            with self._lock:
+                self.state.last_error = f"listing the tiers: {e.strerror or e} ({e.filename})"
             return False
         with self._lock:
             self._queue.update(again)

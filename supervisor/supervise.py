@@ -11,7 +11,6 @@ accounting, the `auto` interval, retention and the local tier's replicator.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from supervisor.attempt import Attempt, Launcher
 from supervisor.config import JobConfig
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, ExitCode
-from supervisor.fsutil import atomic_write_json
+from supervisor.fsutil import NO_ROOM, atomic_write_json
 from supervisor.goodput import Accounting
 from supervisor.interval import IntervalTuner
 from supervisor.layout import CONTROL_FILE, RunLayout, inside, recorded, state_files
@@ -51,7 +50,6 @@ from supervisor.state import AttemptRecord, RunRecord, RunState
 log = logging.getLogger("resilient")
 
 STATE_EVERY_S = 1.0
-NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})  # a run dir that takes no more writes
 REPLICATION_DRAIN_S = 600.0  # a finished run waits this long at most for its last durable copies
 STOP_POLL_S = 0.05  # how soon a stop cuts a restart's backoff short
 MAX_NOTES = 10  # rank 0's warnings kept for `status`: the newest
@@ -154,9 +152,13 @@ class Supervisor:
 
         if not self.replicator.drain(limit, stop):
             left = self.replicator.snapshot()
-            self.console.event(f"the durable tier still lacks local step(s) {left['pending']} "
-                               f"({left['last_error'] or 'still copying'}); `resilient run` again goes on copying",
-                               style="red")
+            if left["pending"]:
+                self.console.event(f"the durable tier still lacks local step(s) {left['pending']} "
+                                   f"({left['last_error'] or 'still copying'}); `resilient run` again goes on "
+                                   "copying", style="red")
+            else:  # nothing queued, but the tiers could not be listed to know it
+                self.console.event(f"could not check that the durable tier holds every local step "
+                                   f"({left['last_error']}); `resilient run` again looks again", style="red")
         self.replicator.stop()
 
     def _loop(self) -> int:
@@ -494,8 +496,13 @@ class Supervisor:
 
     def _settle(self) -> None:
         """The run ends without finishing: the steps beyond the newest valid checkpoint are lost (a rerun redoes
-        them), charged now rather than only by a rerun."""
-        self.accounting.settle(self.resume.newest_step())
+        them), charged now rather than only by a rerun. A root that cannot be listed now (the failure a stop may be
+        saying) keeps the last charge."""
+        try:
+            newest = self.resume.newest_step()
+        except OSError:
+            return
+        self.accounting.settle(newest)
         self._sync_lost_steps()
 
     def _stopped(self, outcome: AttemptOutcome | None) -> int:
@@ -528,7 +535,7 @@ class Supervisor:
     def _end_attempt_with(self, e: OSError) -> str:
         if os.environ.get("RESILIENT_DEBUG") == "1":
             traceback.print_exception(e)
-        why = f"{e.filename or self.cfg.run_dir}: {e.strerror or e}"
+        why = f"{e.filename}: {e.strerror or e}" if e.filename is not None else f"the system: {e.strerror or e}"
         last = self.record.history[-1] if self.record.history else None
         if last is not None and last.ended_at is None:
             last.ended_at, last.reason, last.detail = time.time(), api.LAUNCHER_DIED, f"system error: {why}"
@@ -547,8 +554,10 @@ class Supervisor:
         newest = store.latest_valid(self.cfg.checkpoint.dir)
         look = outcome.log_hint or str(spec.logs_dir)
         at = self.record.history[-1].step_at_failure if self.record.history else outcome.step
-        rank_hint = "" if outcome.failed_rank is None else f" (rank {outcome.failed_rank}'s stderr.log under it)" \
-            if outcome.log_hint is None else f" (and rank {outcome.failed_rank}'s stderr.log under {spec.logs_dir})"
+        rank_hint = ""
+        if outcome.failed_rank is not None:  # a log_hint is a file (the hang evidence): the rank's log is beside it
+            log = f"rank {outcome.failed_rank}'s stderr.log"
+            rank_hint = f" ({log} under it)" if outcome.log_hint is None else f" (and {log} under {spec.logs_dir})"
         return self._end_failed(
             f"resilient stopped the run: {why.rstrip('.')}. Attempt {spec.attempt} ended "  # DCP's end in one
             f"{'before its first step' if at is None else f'at step {at}'}; "
@@ -558,6 +567,7 @@ class Supervisor:
     def _end_failed(self, message: str) -> int:
         """The run stops failed: its lost steps charged, `message` recorded for status and said."""
         self._settle()
+        self.accounting.down_until(time.time())  # ended between attempts (after a backoff): that time is down
         self.record.message = message
         self._transition(RunState.FAILED)
         self.console.paragraph(message)

@@ -112,8 +112,10 @@ class RankWatch:
             if hb.seq != prev.hb.seq:
                 prev.seq_at = dated(hb.time, prev.seq_at)
             if hb.step != prev.hb.step or hb.phase != prev.hb.phase:
-                # leaving a save or a load is progress: its time is not "no progress"
-                prev.step_at = dated(hb.progress_at or hb.time, prev.step_at)
+                # leaving a save or a load is progress: its time is not "no progress" (its beat's time dates it;
+                # progress_at is the last step's, from before the save)
+                moved = hb.progress_at if hb.step != prev.hb.step and hb.progress_at is not None else hb.time
+                prev.step_at = dated(moved, prev.step_at)
             prev.hb = hb
 
     def limit_s(self, rank: int) -> float:

@@ -211,6 +211,7 @@ def test_a_stopped_server_neither_hides_a_forks_end_nor_holds_a_launch(tmp_path,
         wait_for(marker.exists, 30, "the fork")
         os.kill(srv.popen.pid, signal.SIGSTOP)
         os.kill(forked.pid, signal.SIGKILL)  # a zombie its stopped parent cannot reap
+        monkeypatch.setattr(prewarm, "STATUS_WAIT_S", 1.0)
         started = time.monotonic()
         assert forked.wait(30) == 1 and time.monotonic() - started < 5, "ended, with a code nobody could read"
         monkeypatch.setattr(prewarm, "ANSWER_S", 1.0)

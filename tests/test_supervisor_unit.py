@@ -353,6 +353,17 @@ def test_after_a_gap_in_the_looking_a_beat_is_dated_by_its_own_clock():
     w.observe({0: hb(0, phase="train", seq=41, step=31, time=900.0, progress_at=900.0),
                1: hb(1, phase="train", seq=13, step=13, time=900.0, progress_at=900.0)}, now=31.5, wall=1031.5)
     assert w.hangs(32) == []
+    # Review 10: leaving a save longer than the limit, seen after a gap, is progress dated by the beat, not by the
+    # last step before the save (progress_at), which made a healthy run a hang.
+    w = RankWatch(launched_at=0.0, timeout_s=60, startup_timeout_s=100, stall_factor=2, stall_floor_s=3)
+    w.observe({0: hb(0, phase="train", seq=1, step=5, time=1001.0, progress_at=1001.0, slowest_step_s=20)},
+              now=1, wall=1001)
+    for t in range(2, 52):  # a 50 s sync save, beating throughout
+        w.observe({0: hb(0, phase="save", seq=t, step=5, time=1000.0 + t, progress_at=1001.0,
+                         slowest_step_s=20)}, now=t, wall=1000 + t)
+    w.observe({0: hb(0, phase="train", seq=70, step=5, time=1059.0, progress_at=1001.0, slowest_step_s=20)},
+              now=60, wall=1060)  # an 8 s gap in the looking, just as the save ended
+    assert w.hangs(60) == []
 
 
 def test_of_two_ranks_without_progress_the_one_not_waiting_at_the_step_end_agreement_is_named():
@@ -932,6 +943,43 @@ def test_an_interpreter_that_cannot_be_executed_stops_the_run_with_one_sentence(
     assert f"resilient stopped the run: {python}: Permission denied. Fix that;" in " ".join(result.stderr.split())
     doc = json.loads((tmp_path / "runs/demo/state.json").read_text())
     assert doc["state"] == "failed" and [h["reason"] for h in doc["history"]] == ["launcher_died"], doc["history"]
+
+
+def test_a_checkpoint_root_that_cannot_be_listed_between_attempts_stops_the_run_failed(tmp_path, cli, monkeypatch):
+    """Review 9 and 10: an EIO from the root's scan before a relaunch (a flaky shared filesystem) was a traceback
+    with the run left 'restarting'; then the failure's own settling scanned the root again and escaped the same
+    way."""
+    import errno
+
+    from supervisor.resume import ResumeChooser
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\nrestart: {backoff_s: 0}\n")
+    calls = []
+    real_choose = ResumeChooser.choose
+
+    def choose(self, below):
+        calls.append(below)
+        if len(calls) > 1:
+            raise OSError(errno.EIO, "Input/output error", str(tmp_path / "runs/demo/checkpoints"))
+        return real_choose(self, below)
+
+    def unlistable(self):
+        raise OSError(errno.EIO, "Input/output error", str(tmp_path / "runs/demo/checkpoints"))
+
+    def launcher(cfg, spec, handover):
+        h = FakeHandle(spec.logs_dir / "torchrun.log", rc=1)
+        h.log_path.write_text(summary())
+        monkeypatch.setattr(ResumeChooser, "newest_step", unlistable)
+        return h
+
+    monkeypatch.setattr(ResumeChooser, "choose", choose)
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launcher)
+    result = cli("run", job)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "resilient stopped the run: " in result.stderr and "Input/output error. Fix that;" in result.stderr
+    doc = json.loads((tmp_path / "runs/demo/state.json").read_text())
+    assert doc["state"] == "failed", doc["state"]
 
 
 def test_a_run_dir_with_no_room_for_the_job_file_stops_with_one_sentence_and_closes_the_launcher(tmp_path, cli,

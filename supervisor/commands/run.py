@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib.util
 import os
 import signal
@@ -20,7 +19,7 @@ from supervisor import prewarm, slurm, state, targets
 from supervisor.config import NAME_RE, RDZV_CONF_KEYS, JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, ResilientError, UsageError
-from supervisor.fsutil import read_json, write_problem
+from supervisor.fsutil import NO_ROOM, read_json, write_problem
 from supervisor.layout import (
     HEARTBEATS_DIR,
     LOGS_DIR,
@@ -263,21 +262,26 @@ def make_launcher():  # tests replace this to capture the argv without starting 
 
 
 def main(job: str, overrides: list[str], node: str | None) -> int:
-    supervising = [False]
     try:
-        return _run(job, overrides, node, supervising)
-    except OSError as e:  # the system's refusal (a full disk at the lock, a folder shut to this user), in words
-        where = e.filename if e.filename is not None else "the run dir"
-        why = e.strerror or e.__class__.__name__
-        fix = "Free space there (or make it writable)" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) \
-            else "Give this user access to it" if isinstance(e, PermissionError) else "Check that filesystem"
-        if supervising[0]:
-            raise ResilientError(f"{where}: {why}; the supervisor stopped. {fix}; `resilient run` again "
-                                 "resumes.") from e
-        raise ConfigError(f"{where}: {why}; nothing was launched. {fix} and run again.") from e
+        return _run(job, overrides, node)
+    except OSError as e:  # the system's refusal before any launch (a full disk at the lock, a folder shut to us)
+        what, fix = _refusal(e)
+        raise ConfigError(f"{what}; nothing was launched. {fix} and run again.") from e
 
 
-def _run(job: str, overrides: list[str], node: str | None, supervising: list[bool]) -> int:
+def _refusal(e: OSError) -> tuple[str, str]:
+    """A system error in words: what was refused, and the fix."""
+    where = f"{e.filename}: " if e.filename is not None else ""
+    if e.errno in NO_ROOM:
+        fix = "Free space there (or make it writable)"
+    elif isinstance(e, PermissionError):
+        fix = "Give this user access to it"
+    else:
+        fix = "Check that filesystem"
+    return f"{where}{e.strerror or e.__class__.__name__}", fix
+
+
+def _run(job: str, overrides: list[str], node: str | None) -> int:
     from supervisor.supervise import Supervisor
 
     cfg = load_job(job, overrides)
@@ -328,10 +332,12 @@ def _run(job: str, overrides: list[str], node: str | None, supervising: list[boo
         if signal.getsignal(signal.SIGTSTP) is not signal.SIG_IGN:
             previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, on_suspend(console))
         started = time.monotonic()
-        supervising[0] = True
         try:
             with console.library_warnings():
                 code = sup.run()
+        except OSError as e:  # past the supervisor's own handling (its ranks are stopped by then)
+            what, fix = _refusal(e)
+            raise ResilientError(f"{what}; the supervisor stopped. {fix}; `resilient run` again resumes.") from e
         finally:  # called in-process (tests, a user's own Python), the caller's handlers come back
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
