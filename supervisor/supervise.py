@@ -30,17 +30,15 @@ from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, ExitCode
 from supervisor.fsutil import NO_ROOM, atomic_write_json
 from supervisor.goodput import Accounting
-from supervisor.interval import IntervalTuner
+from supervisor.interval_control import IntervalControl
 from supervisor.layout import CONTROL_FILE, RunLayout, inside, recorded, state_files
 from supervisor.policy import RestartPolicy
 from supervisor.protocol import (
     CommitRecord,
-    Control,
     Handover,
     NoteRecord,
     SaveRecord,
     StepRecord,
-    write_control,
 )
 from supervisor.rdzv import Generations, run_id
 from supervisor.replicate import Replicator
@@ -74,16 +72,11 @@ class Supervisor:
         self.accounting = Accounting.from_dict(self.record.accounting.get("ledger"), last_seen=self._prev_updated_at)
         self._restarts_before = self.record.restarts  # the budget is per invocation; the count is not
         ck = cfg.checkpoint
-        self.tuner = (IntervalTuner(ck.expected_mtbf_s, ck.min_interval_steps, ck.max_interval_steps)
-                      if ck.auto else None)
-        if self.tuner is not None:  # what the run's earlier supervisors measured
-            self.tuner.restore(self.record.accounting.get("tuner"))
-        self._measured_interval = False  # the interval in force came from measurements (not the cold start)
-        self.control_file = layout.node_dir / CONTROL_FILE
+        self.interval = IntervalControl(ck, layout.node_dir / CONTROL_FILE, self.record.accounting.get("tuner"),
+                                        announce=self.console.event)
         # Several nodes: each formation of the group gets its own rendezvous run id (supervisor/rdzv.py).
         self.generations = Generations(cfg.run_dir) if cfg.rdzv.endpoint is not None else None
         self._generation = self.generations.current() if self.generations else None
-        self._interval: int | None = ck.interval_steps
         self._last_state_write = 0.0
         self._state_write_error: str | None = None  # the last write of state.json failed (a full disk): said once
         # A node-local tier: the ranks save there, this node's part is copied to the durable tier in the background.
@@ -236,7 +229,8 @@ class Supervisor:
         attempt = self._next_attempt_number()
         rdzv = run_id(self.cfg.rdzv.id, self._generation) if self._generation is not None else None
         return AttemptSpec(attempt, choice.step, choice.path, self.layout.logs_dir(attempt),
-                           self.layout.heartbeat_dir(attempt), self.layout.step_log(attempt), self.control_file, rdzv)
+                           self.layout.heartbeat_dir(attempt), self.layout.step_log(attempt),
+                           self.interval.control_file, rdzv)
 
     def _handover(self, spec: AttemptSpec) -> Handover:
         c = self.cfg
@@ -287,9 +281,8 @@ class Supervisor:
         self.record.history.append(rec)
         self.record.attempt = spec.attempt
         self._transition(RunState.RUNNING)
-        if self.tuner is not None:
-            self.tuner.new_attempt()
-            self._retune()
+        self.interval.new_attempt()
+        self._retune()
         return rec
 
     def _end_attempt(self, rec: AttemptRecord, outcome: AttemptOutcome) -> None:
@@ -326,7 +319,6 @@ class Supervisor:
                 h.lost_steps = lost[h.attempt]
 
     def on_records(self, records: list[Any], rec: AttemptRecord) -> None:
-        measured = self.tuner.measured if self.tuner is not None else 0
         for r in records:
             if isinstance(r, StepRecord):
                 if rec.first_step_at is None:
@@ -340,21 +332,14 @@ class Supervisor:
                         spare()
                 self.record.step = r.step
                 self.accounting.step(r.step, r.t)
-                if self.tuner is not None:
-                    self.tuner.on_step(r.step, r.t)
             elif isinstance(r, SaveRecord):
                 self.accounting.save(r.step, r.blocking_s)
                 self._blocking[r.step] = r.blocking_s
-                if self.tuner is not None:
-                    self.tuner.on_save(r.step, r.blocking_s)
             elif isinstance(r, CommitRecord):
-                if self.tuner is not None:
-                    self.tuner.on_commit(r.step, r.persist_s)
                 self.on_checkpoint(r, mine=True)
             elif isinstance(r, NoteRecord):
                 self._note(r, rec)
-        # Once a save's cost is known: a background save's when the step in progress at its commit is logged
-        if self.tuner is not None and self.tuner.measured != measured:
+        if self.interval.measure(records):
             self._retune()
 
     def _note(self, note: NoteRecord, rec: AttemptRecord) -> None:
@@ -631,8 +616,8 @@ class Supervisor:
                     snap[key] = recorded(snap[key], self.cfg.run_dir)
                 self.record.replication = snap
             self.record.accounting = {"summary": summary, "ledger": self.accounting.to_dict()}
-            if self.tuner is not None:
-                self.record.accounting["tuner"] = self.tuner.memory()
+            if self.interval.auto:
+                self.record.accounting["tuner"] = self.interval.memory()
             try:
                 state.write(self.layout.state_file, self.record)
             except OSError as e:  # a full disk must not end the supervision it is there to ride out
@@ -653,32 +638,18 @@ class Supervisor:
     # ---- the checkpoint interval ------------------------------------------------------------------
 
     def _start_interval(self) -> None:
-        if self.tuner is None:
-            self.control_file.unlink(missing_ok=True)  # a stale "auto" choice must not override a fixed interval
-            self.record.checkpoint_interval = {"mode": "fixed", "steps": self.cfg.checkpoint.interval_steps,
-                                               "why": "checkpoint.interval_steps in the job file"}
+        fixed = self.interval.start()
+        if fixed is not None:
+            self.record.checkpoint_interval = fixed
         self.save_state()
 
     def _retune(self) -> None:
-        """Re-evaluate the auto interval; tell rank 0 (control file) when it moves by 10 % and 2 steps or more
-        (at a few steps, 10 % is less than one: it flapped between neighbours at every save)."""
-        assert self.tuner is not None
+        """`auto`'s interval chosen again, from the run's failures and restart costs so far."""
+        if not self.interval.auto:
+            return
         # A rendezvous that did not form lost no training: it is no failure of the job's hardware.
         failures = sum(1 for h in self.record.history if h.reason in api.RETRYABLE and h.reason != api.RENDEZVOUS)
         costs = self.accounting.restart_costs()
         restart = sorted(costs)[len(costs) // 2] if costs else None
-        choice = self.tuner.choose(self.accounting.summary(time.time())["wall_s"], failures, restart)
-        # The first measured choice is taken at once; after it, a move waits for a few save costs (the median of
-        # one or two flapped between them at every save).
-        may_move = not self._measured_interval or self.tuner.settled
-        if self._interval is None or (may_move and abs(choice.steps - self._interval) >= max(0.1 * self._interval, 2)):
-            write_control(self.control_file, Control(choice.steps, choice.why))
-            if self._interval is not None or choice.seconds is not None:
-                moved = f"{self._interval} → " if self._interval is not None else ""  # a rerun's first: no arrow
-                self.console.event(f"checkpoint interval {moved}{choice.steps} steps ({choice.why})")
-            self._interval = choice.steps
-            self._measured_interval = choice.seconds is not None
-        shown = choice.to_dict()  # `steps` is the interval in force; a choice not (yet) taken is shown beside
-        if shown["steps"] != self._interval:
-            shown.update(steps=self._interval, proposed_steps=choice.steps)
-        self.record.checkpoint_interval = shown
+        self.record.checkpoint_interval = self.interval.choose(self.accounting.summary(time.time())["wall_s"],
+                                                               failures, restart)
