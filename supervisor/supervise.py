@@ -15,23 +15,22 @@ import json
 import logging
 import os
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from supervisor import __version__, api, ranklogs, retention, state, store
+from supervisor import api, ranklogs, retention, run_record, state, store
 from supervisor.api import AttemptOutcome, AttemptSpec, Decision, ResumeChoice
 from supervisor.attempt import Attempt, Launcher
 from supervisor.config import JobConfig
 from supervisor.console import EventConsole
-from supervisor.errors import ConfigError, ExitCode
+from supervisor.errors import ExitCode
 from supervisor.fsutil import NO_ROOM, atomic_write_json
 from supervisor.goodput import Accounting
 from supervisor.interval_control import IntervalControl
-from supervisor.layout import CONTROL_FILE, RunLayout, inside, recorded, state_files
+from supervisor.layout import CONTROL_FILE, RunLayout, inside, recorded
 from supervisor.policy import RestartPolicy
 from supervisor.protocol import (
     CommitRecord,
@@ -43,7 +42,7 @@ from supervisor.protocol import (
 from supervisor.rdzv import Generations, run_id
 from supervisor.replicate import Replicator
 from supervisor.resume import ResumeChooser
-from supervisor.state import AttemptRecord, RunRecord, RunState
+from supervisor.state import AttemptRecord, RunState
 
 log = logging.getLogger("resilient")
 
@@ -68,8 +67,8 @@ class Supervisor:
         self._announced: set[tuple[int, int]] = set()  # (attempt, step): a rollback's attempt commits a step again
         self._owned: set[tuple[int, int]] = set()  # those whose commit record this node's rank 0 logged
         self._inspected = store.InspectCache()  # retention scans the root at every commit
-        self.record = self._load_record()
-        self.accounting = Accounting.from_dict(self.record.accounting.get("ledger"), last_seen=self._prev_updated_at)
+        self.record, prev_updated_at = run_record.open_record(cfg, layout, self.console)
+        self.accounting = Accounting.from_dict(self.record.accounting.get("ledger"), last_seen=prev_updated_at)
         self._restarts_before = self.record.restarts  # the budget is per invocation; the count is not
         ck = cfg.checkpoint
         self.interval = IntervalControl(ck, layout.node_dir / CONTROL_FILE, self.record.accounting.get("tuner"),
@@ -559,51 +558,6 @@ class Supervisor:
         return ExitCode.FAILED
 
     # ---- the record -------------------------------------------------------------------------------
-
-    def _load_record(self) -> RunRecord:
-        prev: RunRecord | None = None
-        if self.layout.state_file.is_file():
-            try:
-                prev = state.read(self.layout.state_file)
-            except state.StateFileError as e:
-                if not e.damaged:  # another resilient's record, or one the filesystem would not give: kept whole
-                    fix = e.fix or "run it with the resilient that wrote it"
-                    raise ConfigError(f"{e}; nothing was launched. {fix[0].upper() + fix[1:]}, or move it aside "
-                                      f"(mv {self.layout.state_file} {self.layout.state_file}.old) to start this run "
-                                      "dir's record afresh.") from None
-                kept = self.layout.state_file.with_name(f"{self.layout.state_file.name}.unreadable.{int(time.time())}")
-                os.replace(self.layout.state_file, kept)  # damaged (a crash of the machine): kept, not overwritten
-                self.console.event(f"{e}: kept as {kept.name}; this run's history starts afresh (the checkpoints "
-                                   "are read as always)", style="red")
-        else:
-            prev = self._predecessor()
-        self._prev_updated_at = prev.updated_at if prev else None
-        rec = RunRecord(name=self.cfg.name, run_dir=".",  # paths relative to the run dir: layout.recorded
-                        checkpoint_dir=recorded(self.cfg.checkpoint.dir, self.cfg.run_dir),
-                        node=self.layout.node, max_restarts=self.cfg.restart.max_restarts,
-                        min_nodes=self.cfg.nnodes_range[0])
-        if prev is not None:  # a rerun keeps the history, so status tells the whole story
-            rec.history, rec.step, rec.last_checkpoint_step = prev.history, prev.step, prev.last_checkpoint_step
-            rec.quarantined = prev.quarantined
-            # Its supervisor died (kill -9, a lost node): the attempt it left open is closed from its own node's files.
-            state.close_lost_attempt(prev, RunLayout(self.cfg.run_dir, prev.node).node_dir)
-            rec.accounting, rec.restarts = prev.accounting, prev.restarts
-        rec.supervisor = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time(),
-                          "version": __version__}
-        return rec
-
-    def _predecessor(self) -> RunRecord | None:
-        """For a node new to this run dir (a Slurm requeue onto other hosts, a replaced node): the record of the
-        run as the nodes before it left it, the newest whose supervisor is gone, so that attempts, history and
-        goodput go on from there rather than start again (`status` retires the old nodes: state.retired)."""
-        found = [n.record for n in state.read_nodes(state_files(self.cfg.run_dir))
-                 if n.node_dir != self.layout.node_dir and not n.alive and n.record is not None]
-        if not found:
-            return None
-        rec = max(found, key=lambda r: r.updated_at)
-        self.console.event(f"node {self.layout.node_name} is new to this run dir: its history and goodput go on from "
-                           f"{'node ' + rec.node if rec.node else 'the single-node record'} (attempt {rec.attempt})")
-        return rec
 
     def save_state(self, force: bool = True) -> None:
         now = self.clock()
