@@ -131,15 +131,19 @@ class Supervisor:
         if pending:
             self.console.event(f"copying local step(s) {pending} to the durable tier before exiting")
         limit = self.cfg.stop_timeout_s if self._stop_signal is not None else REPLICATION_DRAIN_S
-        asked = self._stop_signal
+        asked, told = self._stop_signal, self._stops_since
 
         def stop() -> float | None:  # a signal during the copy: it gets the stop's own time, no more
-            nonlocal asked
+            nonlocal asked, told
             if asked is None and self._stop_signal is not None:
                 asked = self._stop_signal
                 self.console.event(f"{signal.Signals(asked).name}: copying for up to {self.cfg.stop_timeout_s:.0f}s "
                                    "more, then exiting", style="yellow")
                 return self.cfg.stop_timeout_s
+            if self._stops_since > told:  # a second Ctrl-C: answered, as during the ranks' stop
+                told = self._stops_since
+                self.console.event(f"already stopping: copying to the durable tier for up to {limit:.0f}s; SIGKILL "
+                                   f"the supervisor (pid {os.getpid()}) to abandon the copy", style="yellow")
             return None
 
         if not self.replicator.drain(limit, stop):
