@@ -477,6 +477,14 @@ def add_job_args(p: argparse.ArgumentParser, *, timeout: float) -> None:
     p.add_argument("--result", help=argparse.SUPPRESS)
 
 
+def require_device(p: argparse.ArgumentParser, device: str) -> None:
+    """`--device cuda` where torch sees no GPU: one sentence (the workers' tracebacks buried it)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no CUDA device here (a CPU build of torch, or no GPU); use --device cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -491,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    require_device(p, args.device)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: launch's finally ends the job
     return launch(args, argv)
 

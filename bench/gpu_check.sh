@@ -19,7 +19,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-bench/results/gpu}}"
 parts="${2:-all}"
-[[ $parts == all ]] && parts=tests,jobs,tiers
+case $out in  # `gpu_check.sh tests` (OUT left out) would have written its results into the repo's tests/
+  all|tests|jobs|tiers|persist|*,*) echo "gpu_check.sh: '$out' is a part, not a folder: give OUT_DIR first (bash bench/gpu_check.sh OUT $out)" >&2; exit 2 ;;
+esac
+parts=${parts//all/tests,jobs,tiers}
 for p in ${parts//,/ }; do
   case $p in tests|jobs|tiers|persist) ;; *) echo "gpu_check.sh: part '$p' is none of all, tests, jobs, tiers, persist" >&2; exit 2 ;; esac
 done
@@ -28,6 +31,10 @@ tests=0 small=0 bf16=0 saves=0 tiers=0 persist=0
 missing=$(python3 -c "import importlib.util as u; print(' '.join(m for m in ('torch', 'typer', 'rich', 'psutil', 'yaml', 'xxhash', 'numpy', 'pytest') if u.find_spec(m) is None))")
 if [[ -n $missing ]]; then
   echo "gpu_check.sh: this Python lacks $missing; install them (pip install --no-deps ...) or carry a venv" >&2
+  exit 2
+fi
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check.sh: torch sees no CUDA device here: these checks need a CUDA machine whose Python has a CUDA torch" >&2
   exit 2
 fi
 mkdir -p "$out"

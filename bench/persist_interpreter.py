@@ -53,12 +53,14 @@ def main() -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--port", type=int, default=29571)
     args = p.parse_args()
+    import checkpoint_save
+
+    checkpoint_save.require_device(p, args.device)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                       LOCAL_WORLD_SIZE="1")
     import torch
 
     torch.set_num_threads(1)
-    import checkpoint_save
 
     from train_entry.checkpoint import Checkpointer
 

@@ -53,7 +53,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpoint_save import add_job_args, end_job, evict, setup_rank, start_job, wait_job, write_result
+from checkpoint_save import (
+    add_job_args,
+    end_job,
+    evict,
+    require_device,
+    setup_rank,
+    start_job,
+    wait_job,
+    write_result,
+)
 
 from supervisor import store
 
@@ -478,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    require_device(p, args.device)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: launch's finally ends the job
     return launch(args, argv)
 

@@ -294,7 +294,7 @@ def goals(rows: dict[str, dict[str, Any]]) -> list[str]:
             ok = auto["goodput_over_bound_nominal"] >= 0.9
             out.append(f"({key}) auto ≥ 0.9 × the stricter nominal bound (blocking C, F = --mtbf, kills only): "
                        f"{auto['goodput_over_bound_nominal']:.2f} × — {'met' if ok else 'NOT met'}")
-        for base_key, what in (("c", "baseline (c), tuned 10 s pg timeout"),
+        for base_key, what in (("c", "baseline (c), pg timeout tuned to --hang-timeout"),
                                ("e", "baseline (e), as the tutorial is written")):
             base = rows.get(base_key)
             if base and auto.get("goodput") and base.get("goodput"):

@@ -103,6 +103,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.systems = [s for s in args.systems.split(",") if s]
     if not set(args.systems) <= set(SYSTEMS) or not args.systems:
         p.error(f"--systems takes letters from {','.join(SYSTEMS)}")
+    for name in ("train_s", "mtbf", "cap_s", "hang_timeout", "stall_factor"):  # -5 waited forever, 0 divided by it
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.steps < 0:
+        p.error("--steps must be ≥ 0 (0: as many as --train-s of undisturbed training)")
+    for name in ("interval", "ideal_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be ≥ 1")
     args.redo = {s for s in args.redo.split(",") if s}
     args.out = args.out.resolve()
     if args.json is None:  # a quick look with its own --out must not overwrite the full run's summary
@@ -312,7 +320,10 @@ def run_phase(phase: str, launch: Launch, run_dir: Path, schedule: list[Fault], 
               cap_s: float) -> dict[str, Any]:
     """Start the phase, inject its faults, stop at the final step or the cap; end every process it started."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **launch.env}
+    # TMPDIR: plain torchrun leaves a /tmp/torchelastic_* folder per launch; this one stays in the phase's folder
+    tmp = run_dir / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp), **launch.env}
     faults = Injector(phase, schedule)
     progress = Progress(run_dir, launch.step_glob, steps)
     timed_out, rc = False, None
