@@ -11,6 +11,7 @@ import signal
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -178,7 +179,9 @@ def test_a_launcher_fork_reports_its_exit_and_stops_when_its_supervisor_goes(tmp
         in (tmp_path / "launched.log").read_text()
 
 
-def test_a_launcher_fork_outlives_the_server_and_its_end_is_still_seen(tmp_path):
+@contextlib.contextmanager
+def server_and_fork(tmp_path: Path) -> Iterator[tuple[prewarm.PrewarmServer, prewarm.ForkedProcess]]:
+    """A server of the test's own (it is killed or stopped) and a launcher fork of it that sleeps."""
     srv = prewarm.PrewarmServer(child_env())
     forked = None
     try:
@@ -186,29 +189,30 @@ def test_a_launcher_fork_outlives_the_server_and_its_end_is_still_seen(tmp_path)
         marker = tmp_path / "orphan"
         forked = launch(srv, tmp_path, marker, "sleep")
         wait_for(marker.exists, 30, "the fork")
-        srv.popen.kill()  # a Slurm SIGTERM or an OOM kill ends the server, not the attempt's torchrun
-        srv.popen.wait(10)
-        assert forked.poll() is None and psutil.Process(forked.pid).is_running()
-        os.kill(forked.pid, signal.SIGKILL)
-        assert forked.wait(30) == 1, "ended, with a code nobody could read"
+        yield srv, forked
     finally:
         if forked is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(forked.pid, signal.SIGKILL)
             forked.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(srv.popen.pid, signal.SIGCONT)
         srv.close()
+
+
+def test_a_launcher_fork_outlives_the_server_and_its_end_is_still_seen(tmp_path):
+    with server_and_fork(tmp_path) as (srv, forked):
+        srv.popen.kill()  # a Slurm SIGTERM or an OOM kill ends the server, not the attempt's torchrun
+        srv.popen.wait(10)
+        assert forked.poll() is None and psutil.Process(forked.pid).is_running()
+        os.kill(forked.pid, signal.SIGKILL)
+        assert forked.wait(30) == 1, "ended, with a code nobody could read"
 
 
 def test_a_stopped_server_neither_hides_a_forks_end_nor_holds_a_launch(tmp_path, monkeypatch):
     """Audit 8: with the server SIGSTOPped, a relaunch waited on its answer for good (no torchrun, no timeout, no
     stop), and a fork's end was waited on until each wait's whole timeout ran out."""
-    srv = prewarm.PrewarmServer(child_env())
-    forked = None
-    try:
-        wait_for(srv.ready, 60, "a second prewarm server")
-        marker = tmp_path / "orphan"
-        forked = launch(srv, tmp_path, marker, "sleep")
-        wait_for(marker.exists, 30, "the fork")
+    with server_and_fork(tmp_path) as (srv, forked):
         os.kill(srv.popen.pid, signal.SIGSTOP)
         os.kill(forked.pid, signal.SIGKILL)  # a zombie its stopped parent cannot reap
         monkeypatch.setattr(prewarm, "STATUS_WAIT_S", 1.0)
@@ -219,12 +223,6 @@ def test_a_stopped_server_neither_hides_a_forks_end_nor_holds_a_launch(tmp_path,
         with open(os.devnull, "rb") as null:
             assert srv.launch(["-c", "pass"], child_env(), str(tmp_path), [null.fileno()] * 3) is None
         assert time.monotonic() - started < 5 and not srv.alive(), "a server that does not answer is let go"
-    finally:
-        if forked is not None:
-            forked.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(srv.popen.pid, signal.SIGCONT)
-        srv.close()
 
 
 # ---- the supervisor's stop reaches a prewarmed rank once ----------------------------------------------------
