@@ -179,6 +179,8 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the run dirs and logs (printed) for a post-mortem")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kill_campaign.json")
     args = p.parse_args()
+    if args.kills < 1:  # 0 kills printed all-zero counts, which read as a pass
+        p.error("--kills must be ≥ 1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: each mode's finally ends its supervisor
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)

@@ -241,6 +241,9 @@ def main() -> None:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
     p.add_argument("--cost-only", action="store_true", help="only the supervisor's own cost")
     args = p.parse_args()
+    for name in ("trials", "hang_timeout", "hang_cap", "cost_seconds"):  # 0 trials failed after 35 s; -1 waited
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: each trial's finally ends its processes
     if args.cost_only:
         print(json.dumps(supervisor_cost(args.cost_seconds), indent=2))
