@@ -474,6 +474,10 @@ class Supervisor:
         if outcome.unsaved_end:
             self._settle()
             self.console.event(outcome.detail, style="yellow")
+        if outcome.step is None:  # the ranks exited 0 and never reached the library: a script whose main() never
+            # ran finishes the same way (audit 8); said, though a job with nothing to do is no failure
+            self.console.event("the ranks exited 0 without a heartbeat: the script never started resilient's "
+                               "Session (is its main() called?)", style="yellow")
         self._transition(RunState.SUCCEEDED)
         # Said once the session's books are closed (after the exit copy): the figures `status` then shows.
         at = f"at step {outcome.step}" if outcome.step is not None else "(its ranks reported no step: no heartbeat)"

@@ -715,6 +715,8 @@ def test_a_script_that_never_beats_and_ends_0_is_said_finished_without_a_step(tm
     assert r.exit_code == 0, r.output
     assert "finished (its ranks reported no step: no heartbeat) after 1 attempt(s)" in r.output, r.output
     assert "step None" not in r.output
+    # Audit 8: a script whose main() never ran ends the same way; it is said (the job may have had nothing to do)
+    assert "the script never started resilient's Session (is its main() called?)" in " ".join(r.output.split())
 
 
 @pytest.mark.parametrize("command", [("logs", "--follow"), ("status", "--watch")])
