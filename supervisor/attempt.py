@@ -35,6 +35,7 @@ from supervisor.protocol import (
     LogRecord,
     StepLogReader,
     pid_alive,
+    pid_running,
     read_heartbeats,
 )
 from supervisor.state import AttemptRecord, RunRecord
@@ -370,7 +371,7 @@ class Attempt:
         """Every rank of this node has exited 0 and its process is gone (the count known on one node); notes when
         that was first seen."""
         done = bool(heartbeats) and (expected is None or len(heartbeats) >= expected) and all(
-            hb.phase == "exited" and hb.exit_code == 0 and not _running(hb.pid) for hb in heartbeats.values())
+            hb.phase == "exited" and hb.exit_code == 0 and not pid_running(hb.pid) for hb in heartbeats.values())
         if not done:
             self._finished_seen_at = 0.0
         elif not self._finished_seen_at:
@@ -467,7 +468,7 @@ class Attempt:
         ages = watch.ages(self.clock())
         silent = sorted(((age, r) for r, age in ages.items()
                          if age > limit and r != failed and heartbeats.get(r) and heartbeats[r].phase != "exited"
-                         and (not live_only or _running(heartbeats[r].pid))), reverse=True)
+                         and (not live_only or pid_running(heartbeats[r].pid))), reverse=True)
         return silent[:2]
 
 
@@ -522,10 +523,3 @@ def local_stderr_paths(spec: AttemptSpec) -> dict[int, Path]:
     """Each local rank's stderr log, from torchrun's per-rank folders."""
     return {int(p.parent.name): p for p in (spec.logs_dir / ranklogs.RANKS_DIR).glob("*/attempt_*/*/stderr.log")
             if p.parent.name.isdigit()}
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

@@ -119,7 +119,7 @@ class PrewarmServer:
         first = prewarm_client.request(conn, argv, env, cwd, stdio, role=LAUNCHER)
         if "pid" not in first:
             conn.close()
-            why = first.get("refused") or (f"no answer in {ANSWER_S:.0f}s" if first else "no answer")
+            why = first.get("refused") or (f"no answer in {ANSWER_S:.0f}s" if first.get("unanswered") else "no answer")
             log.warning("prewarm server did not fork torchrun (%s): starting it normally", why)
             if first.get("unanswered"):  # stuck (stopped): no later launch is routed through it
                 self.popen.kill()

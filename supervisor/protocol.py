@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from supervisor.fsutil import atomic_write_json, open_regular, parse_json, read_json
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,6 +226,15 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def pid_running(pid: int) -> bool:
+    """Whether a process of this machine still runs, a zombie not counted: a rank forked by a server that is not
+    reaping it (stopped) stays a zombie, which pid_alive counts as alive."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 @functools.cache

@@ -426,10 +426,10 @@ class Session:
         """The step as an int, or exit 78: a float step failed every save in a rank traceback (retried as a checkpoint
         failure), and a numpy integer failed every heartbeat write (the rank was killed as hung). Every rank runs
         the same script, so every rank ends here alike."""
-        if isinstance(step, numbers.Integral) and not isinstance(step, bool) and 0 <= int(step) <= store.MAX_STEP:
+        integral = isinstance(step, numbers.Integral) and not isinstance(step, bool)
+        if integral and 0 <= int(step) <= store.MAX_STEP:
             return int(step)
-        what = f"a {type(step).__name__}" if not isinstance(step, numbers.Integral) or isinstance(step, bool) else \
-            f"outside 0..{store.MAX_STEP}"
+        what = f"outside 0..{store.MAX_STEP}" if integral else f"a {type(step).__name__}"
         self._exit_config(f"run session.{call}()", -1, f"{call}({step!r}): the step is {what}; give it the training "
                           "step as an int (the optimizer steps done)", everyone_failed=True)
 
