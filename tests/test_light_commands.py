@@ -828,14 +828,18 @@ def test_status_says_when_a_live_supervisor_is_stopped_and_its_record_old(tmp_pa
         with RunLock(tmp_path):
             said = " ".join(cli("status", tmp_path).stdout.split())
             assert "(alive but stopped (Ctrl-Z or SIGSTOP): nothing watches the ranks; what follows is " in said, said
+            doc = json.loads(cli("status", tmp_path, "--json").stdout)  # a script sees it too, not only a reader
+            assert doc["supervisor_stale"].startswith("alive but stopped") and doc["record_age_s"] >= 0, doc
             os.kill(sleeper.pid, signal.SIGCONT)
             wait_for(lambda: psutil.Process(sleeper.pid).status() != psutil.STATUS_STOPPED, 10, "the stand-in on")
             assert "(alive)" in " ".join(cli("status", tmp_path).stdout.split())  # a record of a second ago
+            assert json.loads(cli("status", tmp_path, "--json").stdout)["supervisor_stale"] is None
             doc = json.loads((tmp_path / "state.json").read_text())
             doc["updated_at"] -= 120
             (tmp_path / "state.json").write_text(json.dumps(doc))
             said = " ".join(cli("status", tmp_path).stdout.split())
             assert "(alive, but what follows is 120s old: it is busy" in said, said
+            assert json.loads(cli("status", tmp_path, "--json").stdout)["record_age_s"] >= 120
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -91,6 +91,13 @@ class StatusResult:
                 return candidate
         return RunState.SUCCEEDED if all(s is RunState.SUCCEEDED for s in states) else RunState.STOPPED
 
+    def supervisor_stale(self) -> str | None:
+        """Why a live supervisor's record does not show the present (stopped, or not written for a minute)."""
+        rec = self.primary.record
+        if not self.primary.supervisor_alive or rec.state.final:
+            return None
+        return _stale(rec.supervisor, self.now - rec.updated_at)
+
     def to_json(self) -> dict[str, Any]:
         p = self.primary
         rec = p.record
@@ -100,6 +107,8 @@ class StatusResult:
             state=self.state.value,
             recorded_state=rec.state.value,
             supervisor_alive=p.supervisor_alive,
+            supervisor_stale=self.supervisor_stale(),
+            record_age_s=round(max(0.0, self.now - rec.updated_at), 1),
             ranks=[r for n in self.current for r in n.ranks(self.now)],
             run_dir=str(self.run_dir),
             checkpoint_dir=str(self.checkpoint_root),
@@ -181,7 +190,7 @@ class StatusResult:
         st = self.state.value
         sup = rec.supervisor
         alive = Text("alive") if p.supervisor_alive else Text("not running", style="red")
-        if p.supervisor_alive and not rec.state.final and (stale := _stale(sup, self.now - rec.updated_at)):
+        if (stale := self.supervisor_stale()) is not None:
             alive = Text(stale, style="yellow")
         ckpt = rec.last_checkpoint_step if rec.last_checkpoint_step is not None else "-"
         gone = self.recorded_checkpoint_gone()
