@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from argtypes import folder, positive_float, positive_int
+
 RESULTS = Path(__file__).resolve().parent / "results"
 CHUNK = 64 << 20
 
@@ -464,14 +466,14 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
 
 def add_job_args(p: argparse.ArgumentParser, *, timeout: float) -> None:
     """The arguments both benchmarks take: the model, the job, and the worker's hidden ones."""
-    p.add_argument("--gb", type=float, default=1.0, help="params + AdamW state over all ranks, GB (1e9 bytes)")
-    p.add_argument("--layers", type=int, default=8, help="transformer blocks (the width follows from --gb)")
+    p.add_argument("--gb", type=positive_float, default=1.0, help="params + AdamW state over all ranks, GB (1e9 bytes)")
+    p.add_argument("--layers", type=positive_int, default=8, help="transformer blocks (the width follows from --gb)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--steps", type=int, default=5, help="steady training steps timed before and after")
-    p.add_argument("--batch", type=int, default=1, help="sequences per rank per training step")
-    p.add_argument("--ranks", type=int, default=2, help="ranks (one per GPU with --device cuda)")
-    p.add_argument("--timeout", type=float, default=timeout, help="seconds before the job is stopped")
-    p.add_argument("--collective-timeout-s", type=float, default=300)
+    p.add_argument("--steps", type=positive_int, default=5, help="steady training steps timed before and after")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences per rank per training step")
+    p.add_argument("--ranks", type=positive_int, default=2, help="ranks (one per GPU with --device cuda)")
+    p.add_argument("--timeout", type=positive_float, default=timeout, help="seconds before the job is stopped")
+    p.add_argument("--collective-timeout-s", type=positive_float, default=300)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -489,8 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_args(p, timeout=900)
-    p.add_argument("--saves", type=int, default=4, help="sync saves, loads and async saves to time")
-    p.add_argument("--tmp", default=None, help="parent of the temp checkpoint folder (default: the system's)")
+    p.add_argument("--saves", type=positive_int, default=4, help="sync saves, loads and async saves to time")
+    p.add_argument("--tmp", type=folder, default=None,
+                   help="parent of the temp checkpoint folder (default: the system's)")
     p.add_argument("--out", type=Path, default=RESULTS / "checkpoint_save.json")
     p.add_argument("--sample-ms", type=float, default=0.0,
                    help="sample where each async save's persist thread is every this many ms (raw JSON: "

@@ -16,6 +16,8 @@ import time
 import zlib
 from collections.abc import Callable
 
+from argtypes import positive_int
+
 
 def candidates() -> dict[str, Callable[[bytes], object]]:
     import xxhash
@@ -45,8 +47,8 @@ def candidates() -> dict[str, Callable[[bytes], object]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mib", type=int, default=64)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--mib", type=positive_int, default=64)
+    p.add_argument("--repeat", type=positive_int, default=5)
     args = p.parse_args()
     buf = os.urandom(args.mib << 20)
     fns = candidates()

@@ -31,6 +31,8 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from argtypes import positive_float  # noqa: E402
+
 from supervisor.protocol import CommitRecord, SaveRecord, StepRecord, read_step_log  # noqa: E402
 
 
@@ -65,7 +67,7 @@ def main() -> int:
     p.add_argument("--set", dest="sets", action="append", default=[])
     p.add_argument("--entry-args", default="",
                    help="appended to the job's entry-point args, e.g. '--precision bf16 --ema 0.999'")
-    p.add_argument("--timeout", type=float, default=560.0, help="give up after this many seconds")
+    p.add_argument("--timeout", type=positive_float, default=560.0, help="give up after this many seconds")
     p.add_argument("--keep", action="store_true", help="keep the run dir (its checkpoints: GBs on a GPU)")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the finally below ends the run

@@ -20,13 +20,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from argtypes import folder, positive_int
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mib", type=int, default=512, help="the rank's file, MiB")
-    p.add_argument("--items-mib", type=int, default=4, help="size of each item in it, MiB")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    p.add_argument("--mib", type=positive_int, default=512, help="the rank's file, MiB")
+    p.add_argument("--items-mib", type=positive_int, default=4, help="size of each item in it, MiB")
+    p.add_argument("--repeat", type=positive_int, default=5)
+    p.add_argument("--dir", type=folder, default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     args = p.parse_args()
 
     import torch
@@ -39,8 +41,8 @@ def main() -> None:
     data = torch.randint(0, 255, (n,), dtype=torch.uint8)
     view = memoryview(data.numpy())
     items = [(o, min(item, n - o)) for o in range(0, n, item)]
-    folder = Path(tempfile.mkdtemp(dir=args.dir))
-    path = folder / "__0_0.distcp"
+    work = Path(tempfile.mkdtemp(dir=args.dir))
+    path = work / "__0_0.distcp"
 
     def write(summed: bool) -> tuple[float, list[store.PieceSums]]:
         summer = store.PieceSummer(items, storage.PIECE) if summed else None
@@ -76,10 +78,10 @@ def main() -> None:
         assert torch.equal(target, data)
     finally:
         path.unlink(missing_ok=True)
-        folder.rmdir()
+        work.rmdir()
     gib = n / (1 << 30)
     print(f"### Per-item checksums: one rank's file of {args.mib} MiB, items of {args.items_mib} MiB, in "
-          f"{folder.parent}, {os.cpu_count()} CPUs, best of {args.repeat}\n")
+          f"{work.parent}, {os.cpu_count()} CPUs, best of {args.repeat}\n")
     print("| measure | without | with | cost |\n|---|---:|---:|---:|")
     w0, w1 = best["write False"], best["write True"]
     print(f"| save: the writing thread's CPU | {w0:.3f} s | {w1:.3f} s | {(w1 - w0) / gib:+.3f} s per GiB |")

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from argtypes import folder, positive_float, positive_int
+
 from supervisor import lock, state, store
 from supervisor.state import AttemptRecord, RunRecord, RunState
 
@@ -262,12 +264,12 @@ def import_profile(argv: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gb", type=float, default=2.0, help="total checkpoint data, GB (1e9 bytes)")
-    p.add_argument("--checkpoints", type=int, default=4, help="checkpoints in the root")
-    p.add_argument("--ranks", type=int, default=2, help="data files ('ranks') per checkpoint")
-    p.add_argument("--repeat", type=int, default=2, help="passes of each reader, warm and cold")
-    p.add_argument("--runs", type=int, default=20, help="fresh processes per light command")
-    p.add_argument("--tmp", default=None, help="parent of the temp folder (default: the system's)")
+    p.add_argument("--gb", type=positive_float, default=2.0, help="total checkpoint data, GB (1e9 bytes)")
+    p.add_argument("--checkpoints", type=positive_int, default=4, help="checkpoints in the root")
+    p.add_argument("--ranks", type=positive_int, default=2, help="data files ('ranks') per checkpoint")
+    p.add_argument("--repeat", type=positive_int, default=2, help="passes of each reader, warm and cold")
+    p.add_argument("--runs", type=positive_int, default=20, help="fresh processes per light command")
+    p.add_argument("--tmp", type=folder, default=None, help="parent of the temp folder (default: the system's)")
     p.add_argument("--out", type=Path, default=RESULTS / "light_commands.json")
     args = p.parse_args(argv)
 

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from argtypes import positive_float, positive_int
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -47,9 +49,9 @@ def alone_rate(seconds: float = 0.25) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gb", type=float, default=0.02, help="params + AdamW state, GB")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--saves", type=int, default=16)
+    p.add_argument("--gb", type=positive_float, default=0.02, help="params + AdamW state, GB")
+    p.add_argument("--layers", type=positive_int, default=8)
+    p.add_argument("--saves", type=positive_int, default=16)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--port", type=int, default=29571)
     args = p.parse_args()

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import psutil
+from argtypes import positive_int
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP = 100
@@ -115,8 +116,8 @@ def saving(folder: Path, steps: int) -> tuple[float, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--steps", type=positive_int, default=1000)
+    p.add_argument("--trials", type=positive_int, default=3)
     p.add_argument("--systems", default="bare,entry,resilient,relaunched")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "step_tax.json")
     args = p.parse_args()

@@ -53,6 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from argtypes import count, folder, positive_int
 from checkpoint_save import (
     add_job_args,
     end_job,
@@ -467,15 +468,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_args(p, timeout=1200)
-    p.add_argument("--saves", type=int, default=4, help="timed saves per tier (after one untimed each)")
-    p.add_argument("--loads", type=int, default=3, help="timed loads per tier")
-    p.add_argument("--copies", type=int, default=6, help="replications and plain copies of one checkpoint, idle")
+    p.add_argument("--saves", type=positive_int, default=4, help="timed saves per tier (after one untimed each)")
+    p.add_argument("--loads", type=positive_int, default=3, help="timed loads per tier")
+    p.add_argument("--copies", type=positive_int, default=6,
+                   help="replications and plain copies of one checkpoint, idle")
     # Not `--local`: torchrun (2.11) reads an abbreviation of its own --local-addr in the worker's arguments
-    p.add_argument("--local-tier", default="/dev/shm", help="parent of the local tier (default: /dev/shm, tmpfs)")
-    p.add_argument("--tmp", default=None, help="parent of the durable tier (default: the system's temp folder)")
-    p.add_argument("--sustained", type=int, default=6,
+    p.add_argument("--local-tier", type=folder, default="/dev/shm",
+                   help="parent of the local tier (default: /dev/shm, tmpfs)")
+    p.add_argument("--tmp", type=folder, default=None,
+                   help="parent of the durable tier (default: the system's temp folder)")
+    p.add_argument("--sustained", type=count, default=6,
                    help="saves per tier at a fixed interval, training throughout (0: none)")
-    p.add_argument("--every", type=int, default=1, help="training steps between the sustained saves")
+    p.add_argument("--every", type=positive_int, default=1, help="training steps between the sustained saves")
     p.add_argument("--durable-mbps", type=float, default=0.0,
                    help="during the sustained saves, throttle writes to the durable tier's disk to this many MB/s "
                         "(cgroup v1 blkio, as root): a shared filesystem slower than this machine's disk")
