@@ -70,10 +70,17 @@ def main() -> int:
     p.add_argument("--timeout", type=positive_float, default=560.0, help="give up after this many seconds")
     p.add_argument("--keep", action="store_true", help="keep the run dir (its checkpoints: GBs on a GPU)")
     args = p.parse_args()
+    if not Path(args.job).is_file():
+        p.error(f"--job {args.job}: no such file")
+    try:
+        kill_at = [int(s) for s in args.kill_at.split(",")]
+    except ValueError:
+        p.error(f"--kill-at {args.kill_at}: give steps as whole numbers separated by commas, e.g. 150,380")
+    if any(k <= 0 for k in kill_at):
+        p.error(f"--kill-at {args.kill_at}: steps must be > 0")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the finally below ends the run
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kill_at = [int(s) for s in args.kill_at.split(",")]
     run_dir = Path(tempfile.mkdtemp(prefix="gpu-small-")) / "run"
     argv = [sys.executable, "-m", "supervisor", "run", args.job, "--run-dir", str(run_dir)]
     for s in args.sets:
@@ -143,7 +150,7 @@ def main() -> int:
     t0 = time.monotonic()
     verify = subprocess.run([sys.executable, "-m", "supervisor", "inspect-checkpoint", str(run_dir), "--verify",
                              "--json"], capture_output=True, text=True, env=env)
-    with contextlib.suppress(ValueError):
+    with contextlib.suppress(ValueError, KeyError, TypeError):  # no run (a refused job): no checkpoints to list
         doc = json.loads(verify.stdout)
         report["verify"] = {"exit_code": verify.returncode, "seconds": round(time.monotonic() - t0, 2),
                             "checkpoints": {c["step"]: c["status"] for c in doc["checkpoints"]}}
