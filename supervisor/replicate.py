@@ -176,6 +176,7 @@ class Replicator:
         self._thread = threading.Thread(target=self._run, name="resilient-replicate", daemon=True)
         self._pause = float(os.environ.get(PAUSE_ENV) or 0.0)
         self._failures = 0  # copies failed in this process, ever
+        self._said_failing = False  # the console has the failing tier's first sentence (once per outage here)
         self._buffer: memoryview | None = None  # page-aligned, for the durable writes (O_DIRECT)
         self._inspected = store.InspectCache()  # both tiers are scanned at every commit
 
@@ -410,7 +411,8 @@ class Replicator:
         self._failures += 1
         reason = f"{type(error).__name__}: {error}" if not isinstance(error, OSError) or not error.strerror else \
             f"{error.strerror} ({getattr(error, 'filename', '') or self.durable_root})"
-        first = self.state.failing_since is None
+        first = not self._said_failing
+        self._said_failing = True
         self.state.failing_since = self.state.failing_since or time.time()
         self.state.last_error = f"step {step}: {reason}"
         if first:
@@ -435,6 +437,18 @@ class Replicator:
             self.announce(f"the durable tier {self.durable_root} works again (failing for "
                           f"{time.time() - self.state.failing_since:.0f}s)", "green")
         self.state.failing_since, self.state.last_error = None, None
+        self._said_failing = False
+
+    def carry_outage(self, previous: dict | None) -> None:
+        """A durable tier the previous supervisor of this node saw failing, and never saw work again, has been
+        failing since then: the outage limit counts from there, not from this start (a supervisor restarted each
+        hour would otherwise never reach a limit of an hour, and the local tier would fill). Its first
+        failure here is said again; a first copy that works ends the outage."""
+        since = (previous or {}).get("failing_since")
+        if isinstance(since, (int, float)) and not isinstance(since, bool) and 0 < since <= time.time():
+            self.state.failing_since = float(since)
+            if isinstance(error := (previous or {}).get("last_error"), str):
+                self.state.last_error = error
 
     # ---- one step ------------------------------------------------------------------------------------------
 

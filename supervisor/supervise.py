@@ -84,6 +84,9 @@ class Supervisor:
                                       keep_local=ck.keep_local, keep=ck.keep, outage_s=ck.durable_outage_s,
                                       announce=lambda text, style: self.console.event(text, style=style))
                            if self.local_root is not None else None)
+        previous = self.record.replication or {}
+        if self.replicator is not None and previous.get("durable_root") == recorded(str(ck.dir), cfg.run_dir):
+            self.replicator.carry_outage(previous)  # the same durable tier: its outage goes on being timed
         self.resume = ResumeChooser(ck, self.local_root, self.console, self._quarantined, self._next_attempt_number)
 
     # ---- the loop ---------------------------------------------------------------------------------

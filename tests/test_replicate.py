@@ -125,6 +125,34 @@ def test_an_unwritable_durable_tier_is_retried_and_reported_and_local_copies_are
     assert r.state.superseded == 0  # nor counted, at the end, as superseded
 
 
+def test_a_restarted_supervisor_goes_on_timing_the_outage_it_inherited_and_says_it_again(tmp_path):
+    """The outage clock began anew with each supervisor: one restarted every hour never reached a limit of an hour,
+    and the local tier (uncopied checkpoints kept) filled. A copy that works still ends the outage."""
+    (tmp_path / "durable").write_text("not a folder")  # every write under it fails
+    for step in (10, 20, 30):
+        local_checkpoint(tmp_path / "local-a", step, "a")
+    said: list[str] = []
+    r = Replicator(tmp_path / "local-a", tmp_path / "durable", "a", keep_local=1, keep=3, outage_s=3600.0,
+                   announce=lambda text, style: said.append(text))
+    r.carry_outage({"failing_since": time.time() - 7200, "last_error": "step 10: No space left on device"})
+    for garbage in ({"failing_since": True}, {"failing_since": time.time() + 3600}, {"failing_since": "x"}, None):
+        Replicator(tmp_path / "local-a", tmp_path / "durable", "a", keep_local=1, keep=3,
+                   outage_s=3600.0).carry_outage(garbage)  # a damaged or future record carries nothing: no raise
+    r.start()
+    try:
+        assert not r.drain(3.0)
+        assert sum("cannot copy step" in text for text in said) == 1, said  # the new console hears it once
+        assert time.time() - r.state.failing_since > 7000  # timed from the previous supervisor's first failure
+        r._local_retention()
+        assert [i.step for i in store.scan(tmp_path / "local-a")] == [30]  # past the limit: uncopied ones went
+        (tmp_path / "durable").unlink()
+        (tmp_path / "durable").mkdir()
+        assert r.drain(30.0), r.snapshot()
+        assert r.state.failing_since is None and any("works again" in text for text in said), said
+    finally:
+        r.stop()
+
+
 def test_a_durable_tier_that_cannot_be_listed_is_a_failure_retried_not_the_end_of_copying(tmp_path, monkeypatch):
     """Review 9: the scan that picks the next step (EACCES, EIO or ESTALE on a shared filesystem) ran outside the
     thread's handler: the thread died, copying stopped for good, and the exit's drain waited its whole limit."""
