@@ -150,12 +150,14 @@ STATUS_WAIT_S = 5.0
 class ForkedProcess:
     """A process the server forked for us, with the part of `subprocess.Popen` the launcher uses. It is the
     server's child, not ours: its exit status comes from the server on `conn`; if the server is gone, a pidfd
-    still tells when it has ended, and its code is then unknown (1). Closing `conn` while it runs asks it to
+    still tells when it has ended, and its code is the one it said on `conn` as it left (unknown, 1, if it was
+    killed). Closing `conn` while it runs asks it to
     stop (a launcher fork SIGTERMs itself)."""
 
     def __init__(self, pid: int, conn: socket.socket):
         self.pid, self.returncode = pid, None
         self._conn: socket.socket | None = conn
+        self._exit: int | None = None  # the code the fork said it was leaving with (for a server gone since)
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
         except OSError:  # already ended (and reaped by the server): its status is on its way on `conn`
@@ -172,7 +174,7 @@ class ForkedProcess:
         while self.returncode is None:
             sources = [s for s in (self._conn, self._pidfd) if s is not None]
             if not sources:
-                self.returncode = 1
+                self.returncode = 1 if self._exit is None else self._exit
                 break
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = select.select(sources, [], [], left)[0]
@@ -181,14 +183,17 @@ class ForkedProcess:
             if self._conn is None or (self._conn not in ready
                                       and not select.select([self._conn], [], [], STATUS_WAIT_S)[0]):
                 # It ended, and the server that reaps it is gone or does not answer (stopped: audit 8, where each
-                # wait on it ran out its whole timeout): how it ended is unknown.
-                self.returncode = 1
+                # wait on it ran out its whole timeout): its own last word, or unknown.
+                self.returncode = 1 if self._exit is None else self._exit
                 break
             try:
-                status = json.loads(prewarm_client.read_line(self._conn) or b"{}").get("status")
+                answer = json.loads(prewarm_client.read_line(self._conn) or b"{}")
             except (OSError, ValueError):
-                status = None
-            if status is not None:
+                answer = {}
+            status = answer.get("status") if isinstance(answer, dict) else None
+            if isinstance(answer, dict) and isinstance(answer.get("exit"), int):  # the fork's own, before its end
+                self._exit = answer["exit"]
+            elif status is not None:
                 self.returncode = os.waitstatus_to_exitcode(status)
             else:  # the server died: from now on, wait for the process itself
                 self._conn.close()
@@ -373,6 +378,12 @@ def _become_worker(conn: socket.socket, req: dict, fds: list[int]) -> NoReturn:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        # Our own code, in case the server that reaps us is gone (an OOM kill, a stray SIGKILL): a rank that
+        # finished was otherwise reported exit 1, a failed attempt and a restart spent on a run that had ended.
+        # The server's status line, which also knows a death by signal, still comes after it when it can.
+        with contextlib.suppress(Exception):
+            conn.settimeout(1.0)
+            conn.sendall(json.dumps({"exit": code % 256}).encode() + b"\n")
         os._exit(code)
 
 

@@ -46,8 +46,8 @@ def request(conn: socket.socket, argv: list[str], env: dict[str, str], cwd: str,
             role: str = "worker") -> dict:
     """Ask the server for a fork that runs `argv` (`-m MODULE ARGS` or `SCRIPT ARGS`) with this environment,
     folder and stdin/stdout/stderr. Returns its first answer: {"pid": N}, {"refused": why}, {"unanswered": True}
-    if `conn` has a timeout and it ran out, or {} if the server failed. Its last line, {"status": waitstatus},
-    follows on `conn` when the fork has ended."""
+    if `conn` has a timeout and it ran out, or {} if the server failed. When the fork ends it says {"exit": code}
+    itself (unless killed), and the server's {"status": waitstatus} follows: the last line on `conn`."""
     req = json.dumps({"argv": argv, "env": env, "cwd": cwd, "role": role}).encode() + b"\n"
     try:
         socket.send_fds(conn, [req[:1]], stdio)
@@ -82,10 +82,19 @@ def _proxy(conn: socket.socket, argv: list[str]) -> None:
     pid = int(first["pid"])
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
-    try:
-        last = json.loads(read_line(conn) or b"{}")
-    except (OSError, ValueError) as e:
-        last = {"error": str(e)}
+    said: int | None = None  # the worker's own exit code, said as it left: all there is if the server is gone
+    while True:
+        try:
+            last = json.loads(read_line(conn) or b"{}")
+        except (OSError, ValueError) as e:
+            last = {"error": str(e)}
+        if not isinstance(last, dict):
+            last = {"error": "an answer that is not an object"}
+        if not isinstance(last.get("exit"), int):
+            break
+        said = last["exit"]
+    if last.get("status") is None and said is not None:  # the server died; the worker told us itself
+        _leave_like(said << 8)  # as a wait status: exited with `said`
     if last.get("status") is None:
         print(f"resilient: lost the prewarm server's answer for worker pid {pid} ({last.get('error', 'closed')}); "
               "leaving with exit 1", file=sys.stderr)

@@ -35,6 +35,10 @@ WORKER = textwrap.dedent("""\
         sys.exit(int(sys.argv[2]))
     if mode == "raise":
         raise RuntimeError("boom from the worker")
+    if mode == "wait":  # until the file argv[2] exists, then exit argv[3]
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.05)
+        sys.exit(int(sys.argv[3]))
     time.sleep(120)
 """)
 
@@ -140,6 +144,10 @@ LAUNCHED = textwrap.dedent("""\
     out.write_text(f"{os.getpgid(0)} {os.getpid()}")
     if sys.argv[2] == "exit":
         sys.exit(int(sys.argv[3]))
+    if sys.argv[2] == "wait":  # until the file argv[4] exists, then exit argv[3]
+        while not os.path.exists(sys.argv[4]):
+            time.sleep(0.05)
+        sys.exit(int(sys.argv[3]))
     time.sleep(120)
 """)
 
@@ -207,6 +215,31 @@ def test_a_launcher_fork_outlives_the_server_and_its_end_is_still_seen(tmp_path)
         assert forked.poll() is None and psutil.Process(forked.pid).is_running()
         os.kill(forked.pid, signal.SIGKILL)
         assert forked.wait(30) == 1, "ended, with a code nobody could read"
+
+
+def test_forks_that_outlive_their_server_end_with_their_own_codes(tmp_path):
+    """The server killed mid-attempt (an OOM kill): every rank then ended "exit 1", their status lost with it, so
+    a run whose ranks all finished was a failed attempt and a restart spent."""
+    srv = prewarm.PrewarmServer(child_env())
+    forked = None
+    try:
+        wait_for(srv.ready, 60, "a prewarm server of the test's own")
+        go = tmp_path / "go"
+        forked = launch(srv, tmp_path, tmp_path / "marker", "wait", "7", str(go))  # an attempt's torchrun
+        with started(client(tmp_path, srv, "wait", str(go), "0"), tmp_path, env=client_env(srv)) as p:  # a rank
+            worker = wait_for(lambda: "{" in p.output() and report(p.output())["pid"], 30, "the worker to start")
+            srv.popen.kill()
+            srv.popen.wait(10)
+            assert psutil.Process(worker).is_running() and forked.poll() is None
+            go.touch()
+            assert p.wait(30) == 0, p.output()
+            assert forked.wait(30) == 7, (tmp_path / "launched.log").read_text()
+    finally:
+        if forked is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(forked.pid, signal.SIGKILL)
+            forked.close()
+        srv.close()
 
 
 def test_a_stopped_server_neither_hides_a_forks_end_nor_holds_a_launch(tmp_path, monkeypatch):
