@@ -6,14 +6,23 @@ import argparse
 import os
 
 
-def positive_int(text: str) -> int:
+def _whole(text: str, least: int) -> int:
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    if n < least:
+        raise argparse.ArgumentTypeError(f"{text} must be ≥ {least}")
     return n
+
+
+def positive_int(text: str) -> int:
+    return _whole(text, 1)
+
+
+def count(text: str) -> int:
+    """A whole number ≥ 0 (0 turning a phase off)."""
+    return _whole(text, 0)
 
 
 def positive_float(text: str) -> float:
@@ -33,14 +42,3 @@ def folder(text: str) -> str:
     if not os.access(text, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text}: this user cannot write into it")
     return text
-
-
-def count(text: str) -> int:
-    """A whole number ≥ 0 (0 turning a phase off)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text} must be ≥ 0")
-    return n
