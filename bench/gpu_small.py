@@ -108,9 +108,12 @@ def main() -> int:
             for attempt, step in enumerate(kill_at, start=1):
                 rank = wait_for(lambda a=attempt, s=step: at(a, s),
                                 args.timeout - (time.monotonic() - started), f"attempt {attempt} at step {step}")
+                # `step` is what status showed just before the kill: the rank may finish one more step before
+                # the signal lands (the run's history then says one more: `step_at_failure`, added below)
                 kills.append({"attempt": attempt, "pid": rank["pid"], "step": rank["step"], "t": time.time()})
                 os.kill(rank["pid"], signal.SIGKILL)
-                print(f"SIGKILL rank 0 (pid {rank['pid']}) of attempt {attempt} at step {rank['step']}", flush=True)
+                print(f"SIGKILL rank 0 (pid {rank['pid']}) of attempt {attempt}, seen at step {rank['step']}",
+                      flush=True)
             code = sup.wait(timeout=max(1.0, args.timeout - (time.monotonic() - started)))
         except (subprocess.TimeoutExpired, SystemExit) as e:
             if isinstance(e, SystemExit) and e.code == 143:  # SIGTERM to this script: stop now, nothing verified
@@ -140,7 +143,9 @@ def main() -> int:
                        if isinstance(r, SaveRecord)]
     report["commits"] = [{"step": r.step, "persist_s": r.persist_s, "gb": round(r.bytes / 1e9, 3)}
                          for recs in logs.values() for r in recs if isinstance(r, CommitRecord)]
+    failed_at = {h.get("attempt"): h.get("step_at_failure") for h in s.get("history", [])}
     for k in kills:
+        k["step_at_failure"] = failed_at.get(k["attempt"])  # the run's own record of where the kill landed
         nxt = [r for r in logs.get(k["attempt"] + 1, []) if isinstance(r, StepRecord)]
         if nxt:
             k["to_first_step_s"] = round(nxt[0].t - k["t"], 2)
