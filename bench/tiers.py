@@ -314,8 +314,9 @@ def summarise(ranks: list[dict[str, Any]], rep: dict[str, Any], beside: dict[str
                 "durable_steps": each[0].get("durable_steps"), "drained_s": each[0].get("drained_s")}
 
     sustained = {"direct": window("direct"), "tiered": window("tiered")}
-    if sustained["direct"]:
-        sustained["cost_ratio"] = sustained["tiered"]["cost_s"] / sustained["direct"]["cost_s"]
+    if sustained["direct"]:  # a cost at or below 0 is lost in the steps' own spread: no ratio to take of it
+        d_cost = sustained["direct"]["cost_s"]
+        sustained["cost_ratio"] = sustained["tiered"]["cost_s"] / d_cost if d_cost > 0 else None
     direct, tiered, first = arm("direct"), arm("tiered"), arm("tiered_first")
     loads = {t: [max(v) for v in zip(*(r["loads"][t] for r in ranks), strict=True)] for t in ("local", "durable")}
     gb = rep["bytes"] / 1e9
@@ -334,6 +335,11 @@ def summarise(ranks: list[dict[str, Any]], rep: dict[str, Any], beside: dict[str
         "sustained": sustained,
         "raw": {"loads": loads, "replication": rep, "replicator_beside_training": beside},
     }
+
+
+def _cost(seconds: float) -> str:
+    """A window's cost per save; below 0 the saves cost less than the steps' own spread (a tiny model)."""
+    return f"{seconds:.3f} s" if seconds >= 0 else f"≈0 s (within the steps' spread: {seconds:.3f} s)"
 
 
 def report(o: dict[str, Any], args: argparse.Namespace) -> None:
@@ -373,9 +379,10 @@ def report(o: dict[str, Any], args: argparse.Namespace) -> None:
     if sd:
         disk = f"durable tier's writes throttled to {args.durable_mbps:g} MB/s" if args.durable_mbps else \
             "durable tier unthrottled"
+        ratio = o["sustained"]["cost_ratio"]
         print(f"| sustained: {sd['saves']} saves per tier, one every {args.every} step(s), {disk}: training-visible "
-              f"cost per save (the window over its steps' steady time) | {st['cost_s']:.3f} s | {sd['cost_s']:.3f} s "
-              f"| {o['sustained']['cost_ratio']:.2f} | ≤ 0.33 |")
+              f"cost per save (the window over its steps' steady time) | {_cost(st['cost_s'])} | "
+              f"{_cost(sd['cost_s'])} | {'-' if ratio is None else f'{ratio:.2f}'} | ≤ 0.33 |")
         print(f"| sustained: training blocked per save, median (a direct save waits for its predecessor's persist) |"
               f" {st['blocking_s']:.3f} s | {sd['blocking_s']:.3f} s | | |")
         durable = st["durable_steps"] or []
