@@ -329,6 +329,7 @@ def _become_worker(conn: socket.socket, req: dict, fds: list[int]) -> NoReturn:
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         launcher = req.get("role") == LAUNCHER
+        prewarm_client.IN_FORK = True  # our parent is this server, which may die (an OOM kill) while we run on
         if launcher:  # SIGUSR1 asks ranks for stack dumps (Slurm sends it to every process): not torchrun's
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         else:  # a rank dumps its stacks from birth: one stuck before its entry point beats can be seen too

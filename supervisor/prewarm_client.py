@@ -21,10 +21,14 @@ import sys
 from typing import NoReturn
 
 ENV_SOCKET = "RESILIENT_PREWARM_SOCKET"
+# True in a worker the prewarm server forked: its parent is that server, not torchrun, so it must not ask to die
+# with its parent (train_entry.dist.die_with_parent reads this): its proxy, torchrun's child, does that for it.
+IN_FORK = False
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def main(argv: list[str]) -> NoReturn:
+    parent = os.getppid()  # torchrun
     path = os.environ.pop(ENV_SOCKET, None)
     if path:
         try:
@@ -33,7 +37,7 @@ def main(argv: list[str]) -> NoReturn:
         except OSError as e:  # the server is gone: say so, and start the way torchrun would have
             print(f"resilient: prewarmed start unavailable ({e.strerror or e}); starting normally", file=sys.stderr)
         else:
-            _proxy(conn, argv)
+            _proxy(conn, argv, parent)
     _exec(argv)
 
 
@@ -71,7 +75,7 @@ def read_line(conn: socket.socket) -> bytes:
     return bytes(line)
 
 
-def _proxy(conn: socket.socket, argv: list[str]) -> None:
+def _proxy(conn: socket.socket, argv: list[str], parent: int) -> None:
     """Hand our argv, environment and stdio to the server; returns only if no worker was forked."""
     first = request(conn, argv, dict(os.environ), os.getcwd(), [0, 1, 2])
     if "pid" not in first:  # refused, or the server died before forking: nobody runs this rank yet
@@ -82,6 +86,7 @@ def _proxy(conn: socket.socket, argv: list[str]) -> None:
     pid = int(first["pid"])
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
+    _die_with(parent, signal.SIGTERM)  # torchrun gone: the worker is asked to stop, as a cold rank would be
     said: int | None = None  # the worker's own exit code, said as it left: all there is if the server is gone
     while True:
         try:
@@ -99,6 +104,18 @@ def _proxy(conn: socket.socket, argv: list[str]) -> None:
         print(f"resilient: lost the prewarm server's answer for worker pid {pid} ({last.get('error', 'closed')}); "
               "leaving with exit 1", file=sys.stderr)
     _leave_like(last.get("status"))
+
+
+def _die_with(parent: int, sig: int) -> None:
+    """Have Linux send `sig` when our parent dies (PR_SET_PDEATHSIG), or send it now if it already has."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, int(sig), 0, 0, 0)
+    except OSError:  # not Linux: the ranks' watch of the supervisor's pid still covers them
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 def _forward(pid: int, signum: int) -> None:

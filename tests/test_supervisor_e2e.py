@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from supervisor import prewarm, store
-from supervisor.protocol import CommitRecord, SaveRecord, read_step_log
+from supervisor.protocol import CommitRecord, SaveRecord, pid_running, read_step_log
 from tests.ckpt_helpers import assert_same_training_state
 from tests.proc import REPO, Proc, child_env, started, wait_for
 from tests.runs import JOB, RUN_TIMEOUT, live_ranks, rank_log, resilient, run_job, state, status
@@ -293,6 +293,25 @@ def test_a_rerun_stops_a_forked_rank_that_outlived_a_killed_supervisor_before_re
             with contextlib.suppress(psutil.Error):
                 stopped.kill()
         sup.kill_all()
+
+
+def test_a_prewarm_server_killed_mid_attempt_costs_no_restart(tmp_path):
+    """An OOM kill of the server while its forks train (the relaunched torchrun and both ranks): they ran on, but
+    each was reported exit 1, its status lost with the server, so an attempt whose ranks finished failed and a
+    restart was spent resuming at the final step."""
+    run_dir = tmp_path / "run"
+    with started(run_job(run_dir, steps=120, sleep=0.05), tmp_path, log=tmp_path / "sup.log") as sup:
+        torchrun = relaunch_on_a_forked_torchrun(sup, run_dir)
+        server = torchrun.parent()
+        ranks = live_ranks(run_dir)
+        assert all(psutil.Process(r["pid"]).ppid() == server.pid for r in ranks), ranks
+        server.kill()
+        wait_for(lambda: not pid_running(server.pid), 10, "the server gone")
+        assert all(psutil.Process(r["pid"]).is_running() for r in ranks)
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    doc = status(run_dir)
+    assert doc["state"] == "succeeded" and doc["restarts"] == 1 and doc["step"] == 120, doc["history"]
+    assert [h["reason"] for h in doc["history"]] == ["worker_signal", "finished"], doc["history"]
 
 
 @pytest.mark.matrix

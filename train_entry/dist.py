@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from supervisor import prewarm_client
+
 log = logging.getLogger("train_entry")
 
 
@@ -81,7 +83,11 @@ def _meet_on_the_scripts_group(timeout_s: float = 30.0) -> None:
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send `sig` when our parent (torchrun) dies, so a killed launcher orphans no rank."""
+    """Ask Linux to send `sig` when our parent (torchrun) dies, so a killed launcher orphans no rank. A rank the
+    prewarm server forked has that server as its parent, whose death (an OOM kill) must not stop it: its proxy,
+    torchrun's child, dies with torchrun instead and forwards the signal."""
+    if prewarm_client.IN_FORK:
+        return
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
