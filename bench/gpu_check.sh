@@ -45,7 +45,10 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
   python3 -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| NCCL', '.'.join(map(str, torch.cuda.nccl.version())), '| GPUs', torch.cuda.device_count())"
 } 2>&1 | tee "$out/versions.txt"
 if has tests; then
-  python3 -m pytest -m gpu -p no:cacheprovider -v -rs 2>&1 | tee "$out/gpu_tests.txt"
+  # pyproject's addopts ask for pytest-xdist (-n 2): replaced, so the GPU tests run one at a time on the one GPU
+  # and need no xdist on that machine
+  python3 -m pytest -o addopts="--strict-markers" -m gpu -p no:cacheprovider -v -rs tests/test_gpu.py 2>&1 \
+    | tee "$out/gpu_tests.txt"
   tests=${PIPESTATUS[0]}
   python3 bench/checkpoint_save.py --device cuda --ranks 1 --gb 2 --out "$out/checkpoint_save.json" 2>&1 \
       | tee "$out/checkpoint_save.txt"

@@ -28,7 +28,8 @@ def main() -> int:
     # git-ignored: plain torchrun from a clone leaves nothing untracked.
     session = Session.start(ckpt_dir="runs/my_train/checkpoints", ckpt_interval=50, seed=0)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(1, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    device = session.device  # ◀ cuda:LOCAL_RANK on a GPU node, else the CPU: the model and the data go there
+    model = nn.Sequential(nn.Linear(1, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)).to(device)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=session.ctx.mesh)
@@ -41,7 +42,7 @@ def main() -> int:
         # Data as a pure function of the global position: resume and resharding repeat and skip nothing. Every
         # sample of the global batch goes to one rank, on any world size (3 ranks: 22, 21 and 21 of 64).
         g = torch.Generator().manual_seed(1000 + step)
-        x = torch.rand(args.batch, 1, generator=g).tensor_split(session.world_size)[session.rank] * 6 - 3
+        x = (torch.rand(args.batch, 1, generator=g).tensor_split(session.world_size)[session.rank] * 6 - 3).to(device)
         loss = nn.functional.mse_loss(model(x), torch.sin(x))
         loss.backward()
         optimizer.step()

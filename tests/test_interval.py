@@ -209,3 +209,42 @@ def test_beat_counts_optimizer_steps_and_refuses_a_count_that_goes_back_or_outru
         assert said[-1] == (f"cannot run session.save(): save({bad!r}): the step is {what}; give it the training step "
                             "as an int (the optimizer steps done)"), said[-1]
     assert s.beat(np.int64(4), 1.0) == 0.5 and type(s._beat_step) is int
+
+
+def test_the_agreement_is_read_inside_its_window_so_a_wait_there_is_blamed_on_the_others(monkeypatch):
+    """Review 10: on NCCL all_reduce only queues the reduction on the GPU's stream, and the wait for the other
+    ranks is the first read of its result. That read came after `in_sync=False`: on a GPU no rank was ever seen
+    waiting for a hung one, and the wait was counted as the rank's own time. Gloo waits in the call, so this
+    pins the order down with a reduction that returns at once."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from train_entry import session as session_mod
+    from train_entry.session import Session
+
+    class Beater:
+        control_interval, in_sync = None, False
+
+        def update(self, **fields):
+            self.in_sync = fields.get("in_sync", self.in_sync)
+
+        def progress(self, step, own_s=None):
+            pass
+
+    beater, reads = Beater(), []
+    real = torch.Tensor.tolist
+
+    def tolist(t):
+        reads.append(beater.in_sync)
+        return real(t)
+
+    monkeypatch.setattr(session_mod.dist, "all_reduce", lambda t, **kw: None)  # queued, as NCCL's returns
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda t: pytest.fail("a read of the result one value at a time"))
+    s = Session.__new__(Session)
+    s.__init__(SimpleNamespace(), SimpleNamespace(world_size=2, rank=0, is_main=True, device=torch.device("cpu")),
+               beater, SimpleNamespace(raise_if_failed=lambda: None), SimpleNamespace(reason=None, at=None),
+               interval=10, seed=0, grace_s=1.0, sync_every=1)
+    s._resumed = True
+    assert s.beat(1, 2.0) == 2.0 and reads == [True]

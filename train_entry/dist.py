@@ -42,6 +42,12 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     if not torch.cuda.is_available():
         raise ValueError(f"device {preference!r} was asked for (Session.start(device=...), or the entry point's "
                          "--device), but CUDA is not available on this machine")
+    # Before set_device, whose CUDA error (a RuntimeError) would be retried as a crash (review 10). `auto` says it
+    # too: a rank falling back to the CPU beside GPU ranks would mix backends in one group.
+    if local_rank >= (count := torch.cuda.device_count()):
+        raise ValueError(f"local rank {local_rank} needs GPU {local_rank}, but this node shows {count} "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): set the job's "
+                         f"nproc_per_node to at most {count}, or run on the CPU (--device cpu)")
     return torch.device("cuda", local_rank)
 
 

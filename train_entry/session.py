@@ -499,26 +499,30 @@ class Session:
                           step_s], dtype=torch.float64, device=self.device)
         self.beater.update(in_sync=True)  # a hang here is another rank's: the supervisor blames that one
         dist.all_reduce(t)
+        # On NCCL the call only queues the reduction on the GPU's stream: the wait for the others is this read,
+        # which must fall inside the window (review 10: it fell after it, so on a GPU no rank was ever seen
+        # waiting for a hung one, and that wait was counted as the rank's own time). One read, one sync.
+        loss_sum, weight, stop, want, step_s_sum = t.tolist()
         self.beater.update(in_sync=False)
         done = time.monotonic()
         # Time not spent waiting for the others at this sync, per step: the rank everyone waits for has most.
         own_s = None if self._last_beat is None else ((now - self._last_beat) / self._window_steps)
         self._last_beat = done
-        self._mean = None if loss is None else float(t[0] / t[1])
+        self._mean = None if loss is None else loss_sum / weight
         self._window_loss = self._window_weight = 0.0
         self._window_steps, self._window_start = 0, done
-        if t[2] > 0 and not self.stop_requested:
+        if stop > 0 and not self.stop_requested:
             self.stop_requested, self._stop_step = True, step
             if self.ctx.is_main:
                 log.warning("stop requested (%s): stopping after step %d", self.stop.reason or "another rank",
                             step)
-        if t[3] > 0:
-            new = int(t[3])
+        if want > 0:
+            new = int(want)
             if self.ctx.is_main:
                 log.info("checkpoint interval %d -> %d steps (from the supervisor)", self.interval, new)
             self.interval = new
         if self._sync_every is None and step >= self._warmup_until:
-            mean_step_s = float(t[4]) / self.world_size
+            mean_step_s = step_s_sum / self.world_size
             self._sync_every = max(1, min(SYNC_MAX_STEPS, round(SYNC_TARGET_S / max(mean_step_s, 1e-6))))
             if self.ctx.is_main:
                 log.info("ranks agree every %d step(s) (%.1f ms per step)", self._sync_every, mean_step_s * 1e3)
@@ -596,7 +600,8 @@ class Session:
         mine = [int.from_bytes(hashlib.blake2b(b, digest_size=7).digest(), "little") for b in blobs]
         t = torch.tensor(mine + [-d for d in mine], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the largest and, negated, the smallest of each digest
-        same = [int(t[i]) == -int(t[len(mine) + i]) for i in range(len(mine))]
+        got = t.tolist()  # one copy to the host (on a GPU, one sync), not two per digest
+        same = [got[i] == -got[len(mine) + i] for i in range(len(mine))]
         for ok, what in zip(same[:-1], keys.values(), strict=True):
             if not ok:
                 self._exit_config("save", -1, f"{what} differs between the ranks, so it is not replicated: "
