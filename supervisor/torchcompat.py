@@ -12,6 +12,8 @@ Measured differences across the supported range (README, "Supported torch"):
   still reaches torchrun, which refuses what it does not know as a configuration error.
 - `dcp.save`'s return value: some releases fill `Metadata.storage_data`, some leave it None. We never read
   it: the files a rank wrote are what our storage writer recorded (train_entry/storage.py).
+- Freeing the pinned blocks torch's caching host allocator keeps: `torch._C._host_emptyCache` (present from
+  2.7 to 2.15, private); where a release lacks it, the blocks stay cached, as before.
 - DCP's `DefaultStager`: absent in 2.7 and 2.8, and on some releases a reused stager fails its second
   `stage()` (KeyError: <class 'type'>). We stage into our own buffers (train_entry/staging.py), which need
   only `dtensor_like` from here.
@@ -61,3 +63,13 @@ def dtensor_like(template: Any, local: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, template._spec, requires_grad=False)
+
+
+def release_cached_pinned_memory() -> None:
+    """Give back the pinned host blocks torch's caching allocator holds unused (a GPU load's read buffers: 128
+    MiB a rank, kept for the run otherwise). Blocks in use stay; without the function, nothing happens."""
+    import torch
+
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_initialized():
+        empty()

@@ -175,3 +175,15 @@ def test_mixed_precision_with_ema_and_stateful_loader_resumes_bitwise_after_two_
     entries = stateful_entries(b.path)
     assert sum(k.startswith("sharded.ema.") for k in entries) > 20
     assert ("replicated.scaler" in entries) == (precision == "fp16")
+
+
+def test_a_cuda_out_of_memory_is_classified_oom_and_recovered(tmp_path):
+    """The hook asks the GPU's allocator for 1 PiB (review 10: it asked the CPU's, so CUDA's own error, the one
+    users meet, was never produced): classified `oom` from its text, relaunched, finished."""
+    run_dir = tmp_path / "run"
+    argv = gpu_job(run_dir, 40, "--test-oom-at-step", "15", "--test-attempts", "1")
+    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+        assert sup.wait(RUN_TIMEOUT) == 0, sup.output()[-3000:]
+    history = status(run_dir)["history"]
+    assert [h["reason"] for h in history] == ["oom", "finished"], history
+    assert "CUDA out of memory" in history[0]["detail"], history[0]

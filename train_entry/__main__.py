@@ -156,7 +156,8 @@ class TestHooks:
                                            "attempt": self.session.handover.attempt, "t": time.time(),
                                            "loss": loss, "ids": [ids.start, ids.stop]}) + "\n")
         if self.armed and step == self.args.test_oom_at_step:
-            torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the allocator's own out-of-memory error
+            # 1 PiB from the training device's allocator: its own out-of-memory error (CUDA's on a GPU)
+            torch.empty(1 << 50, dtype=torch.uint8, device=self.session.device)
         if self.armed and step == self.args.test_die_at_step:
             raise RuntimeError(f"test hook: injected failure at step {step}")
         if self.drifts is not None:

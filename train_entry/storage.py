@@ -63,6 +63,7 @@ from torch.futures import Future
 
 from supervisor import store
 from supervisor.fsutil import CHUNK, PAGE, HashedFile
+from supervisor.torchcompat import release_cached_pinned_memory
 
 METADATA = ".metadata"
 ALIGN = 64
@@ -551,7 +552,9 @@ class _Reads:
         finally:
             if self.pool is not None:
                 self.pool.shutdown(wait=True)
-            self.buffers = []
+            if self.buffers:  # torch's caching host allocator would keep their 128 MiB pinned for the whole run
+                self.buffers = []
+                release_cached_pinned_memory()
 
 
 def _ranges(reqs: list[ReadItem], storage: dict[MetadataIndex, Any]) -> list[tuple[int, int, list[ReadItem]]]:
