@@ -34,7 +34,7 @@ COLLECTIVE_TIMEOUT = re.compile(
 )
 OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|\bMemoryError\b|Cannot allocate memory")
 CONFIG = re.compile(
-    r"ModuleNotFoundError|ImportError|SyntaxError|No module named|can't open file|"
+    r"ModuleNotFoundError|ImportError|SyntaxError|IndentationError|TabError|No module named|can't open file|"
     r"error: (?:unrecognized arguments|argument|the following arguments are required)"
 )
 NO_GPU = re.compile(r"ValueError: Cuda is not available")  # torchrun's determine_local_world_size, 2.7 to 2.15

@@ -277,6 +277,17 @@ def test_a_script_that_never_calls_finish_is_not_reported_as_a_clean_finish(tmp_
     assert doc["last_checkpoint_step"] == 4 and doc["history"][0]["lost_steps"] == 1, doc
 
 
+def test_a_script_that_never_beats_is_told_so_and_finishes_at_its_own_step(tmp_path):
+    """Audit 12: it saved step 4 and finished "at step 0", goodput 0%, with no word on the missing beat() (whose
+    absence also leaves its hangs to the startup allowance)."""
+    script = MISUSE.replace("        session.beat(step, model(torch.ones(1, 4)).pow(2).sum())",
+                            "        model(torch.ones(1, 4)).pow(2).sum().backward()")
+    assert script != MISUSE
+    out = " ".join(supervised(tmp_path, script, "nobeat", "plain").split())
+    assert "rank 0 warns: save(2) with no session.beat() before it: call session.beat(step, loss) every step" in out
+    assert "finished at step 4 after 1 attempt(s)" in out, out[-3000:]
+
+
 TWO_OPTIMIZERS = '''
 import os
 import sys

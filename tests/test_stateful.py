@@ -106,6 +106,20 @@ def test_a_world_size_change_hands_every_rank_state_to_the_hook_in_rank_order():
     assert notes == ["loader (per_rank, 3 ranks -> 2 by its reshard_state_dict hook)"]
 
 
+class ReturnsItsShare(Counter):
+    def reshard_state_dict(self, states: list[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+        return {"value": sum(s["value"] for s in states[rank::world_size])}
+
+
+def test_a_hook_that_returns_this_ranks_state_has_it_loaded_not_dropped():
+    """Audit 12: the returned state was dropped and the object restarted from scratch, while the log said it was
+    restored by its hook."""
+    saved = save(4, lambda r: {"loader": PerRank(ReturnsItsShare(10 * r))})
+    loader = ReturnsItsShare()
+    notes = resume({"loader": PerRank(loader)}, saved, rank=1, world=2)
+    assert loader.value == 10 + 30 and notes == ["loader (per_rank, 4 ranks -> 2 by its reshard_state_dict hook)"]
+
+
 def test_a_world_size_change_without_the_hook_stops_with_one_sentence_naming_the_object():
     saved = save(2, lambda r: {"loader": PerRank(Counter(r))})
     with pytest.raises(StatefulError) as e:

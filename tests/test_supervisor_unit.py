@@ -98,6 +98,7 @@ def test_torchrun_finding_no_gpu_for_nproc_gpu_is_a_configuration_error_not_retr
     ("collective", api.COLLECTIVE_TIMEOUT, 1),
     ("oom", api.OOM, 1),
     ("import", api.CONFIG, 1),
+    ("indent", api.CONFIG, 1),  # SyntaxError's subclasses print their own names (audit 12: retried 3 times)
     ("exception", api.WORKER_EXIT, 1),
     ("disk", api.CHECKPOINT_FAILED, 1),
 ])
@@ -109,9 +110,10 @@ def test_classify(tmp_path, case, expect_reason, expect_rank):
         "exception": "ValueError: shapes do not match",
         "disk": "CheckpointError: checkpoint save failed: [Errno 28] No space left on device",
         "import": "ModuleNotFoundError: No module named 'flash_attn'",
+        "indent": "IndentationError: expected an indented block after 'if' statement on line 2",
         "peer": "RuntimeError: [gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:2951",
     }
-    if case == "import":
+    if case in ("import", "indent"):
         hbs = {0: hb(0), 1: hb(1)}  # never trained
     text = {
         "sigkill": summary(),
@@ -120,7 +122,7 @@ def test_classify(tmp_path, case, expect_reason, expect_rank):
     }.get(case) or summary(code=1, sig="", traceback="...", root_error=error_json(tmp_path, err[case]))
     out = classify.classify(1, text, hbs)
     assert (out.reason, out.failed_rank) == (expect_reason, expect_rank), out
-    assert out.step == 57 or case == "import"
+    assert out.step == 57 or case in ("import", "indent")
 
 
 def test_a_rank_that_dies_in_teardown_after_its_exit_keeps_its_own_word():

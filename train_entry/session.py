@@ -103,7 +103,7 @@ class Session:
         self._window_steps = 0
         self._window_start: float | None = None
         self._mean: float | None = None
-        self._step_warned = self._position_warned = False
+        self._step_warned = self._position_warned = self._beat_warned = False
         self._params_compared = False  # the plain parameters compared across the ranks, at the first save
         self._no_time_for: int | None = None  # the stop step whose checkpoint the ranks agreed the grace cannot fit
         self._finished: int | None = None
@@ -558,6 +558,11 @@ class Session:
             self._exit_config(f"save step {step}", -1, f"save({step}) came after beat({self._beat_step}): beat() and "
                               "save() must count the same steps, the optimizer's (a micro-batch count in beat() "
                               "misleads the supervisor's lost-step and interval accounting)", everyone_failed=True)
+        if self._beat_step is None and step > (self.resumed_from or 0) and not self._beat_warned:
+            self._beat_warned = True  # audit 12: the run "finished at step 0", its hangs caught only after the startup
+            self._warn(f"save({step}) with no session.beat() before it: call session.beat(step, loss) every step; "
+                       "the supervisor sees progress, agrees stops and judges hangs through it (a rank that never "
+                       "beats is judged hung only after heartbeat.startup_timeout_s)")
         if not self._params_compared:
             self._params_compared = True
             self._compare_plain_params(state, step)
@@ -649,7 +654,7 @@ class Session:
         if self.ckpt.in_flight is not None:  # the last interval's save still persists: not held to progress
             self.beater.set_phase("save", now=True)
         self.ckpt.wait()
-        self.beater.stop(phase="exited", exit_code=code, saving_step=None,
+        self.beater.stop(phase="exited", exit_code=code, saving_step=None, step=step,  # also where no beat() said it
                          exit_reason="preempted" if code else "finished")
         dist.destroy_process_group()
         dist_util.let_collective_threads_settle()  # else the interpreter's teardown can abort this rank (SIGABRT)
