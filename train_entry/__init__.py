@@ -16,13 +16,14 @@ if TYPE_CHECKING:
     from train_entry.ema import EMA
     from train_entry.session import Session
     from train_entry.state import TrainState
-    from train_entry.stateful import PerRank, Replicated, Sharded
+    from train_entry.stateful import PerRank, Replicated, Sharded, StatefulError, TrainStateError
 
-__all__ = ["EMA", "PerRank", "Replicated", "Session", "Sharded", "TrainState"]
+__all__ = ["EMA", "PerRank", "Replicated", "Session", "Sharded", "StatefulError", "TrainState", "TrainStateError"]
 
 # torch is imported only when the library is actually used.
 _HOME = {"EMA": "train_entry.ema", "Session": "train_entry.session", "TrainState": "train_entry.state",
-         "PerRank": "train_entry.stateful", "Replicated": "train_entry.stateful", "Sharded": "train_entry.stateful"}
+         "PerRank": "train_entry.stateful", "Replicated": "train_entry.stateful", "Sharded": "train_entry.stateful",
+         "StatefulError": "train_entry.stateful", "TrainStateError": "train_entry.stateful"}
 
 
 def __getattr__(name: str):
