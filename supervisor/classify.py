@@ -112,11 +112,16 @@ def tail(path: Path | None, limit: int = 20_000) -> str:
 DETAIL_CHARS = 600  # of a rank's last log line, in the console and status: a refusal's whole sentence fits
 
 
+# The library's own log prefix (train_entry.session's format): the detail already names the rank (audit 12:
+# "config — rank 0: 23:30:42 [rank 0] ERROR cannot run ...").
+LOG_PREFIX = re.compile(r"^\d\d:\d\d:\d\d \[rank \d+\] (?:ERROR|WARNING|INFO|CRITICAL) ")
+
+
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     if not lines:
         return ""
-    line = lines[-1]
+    line = LOG_PREFIX.sub("", lines[-1])
     return line if len(line) <= DETAIL_CHARS else line[:DETAIL_CHARS].rsplit(" ", 1)[0] + " …"
 
 

@@ -81,6 +81,9 @@ def test_a_long_last_log_line_is_cut_at_a_word_and_says_so():
     assert detail.endswith(" …") and len(detail) <= classify.DETAIL_CHARS + 2
     assert sentence.startswith(detail[:-2]) and sentence[len(detail) - 2] == " "  # ends at a whole word
     assert classify._last_line("short\n") == "short"
+    # the library's log prefix: the detail names the rank already (audit 12: a timestamp and the rank twice)
+    assert classify._last_line("23:30:42 [rank 1] ERROR cannot run session.beat(): x\n") == \
+        "cannot run session.beat(): x"
 
 
 def test_torchrun_finding_no_gpu_for_nproc_gpu_is_a_configuration_error_not_retried():
