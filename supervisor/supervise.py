@@ -556,8 +556,8 @@ class Supervisor:
         return self._end_failed(
             f"resilient stopped the run: {why.rstrip('.')}. Attempt {spec.attempt} ended "  # DCP's end in one
             f"{'before its first step' if at is None else f'at step {at}'}; "
-            f"the newest valid checkpoint is {('step ' + str(newest.step)) if newest else 'none'}. "
-            f"Look at {look}{rank_hint}, and `resilient status {self.cfg.run_dir}` for the history.")
+            + (f"the newest valid checkpoint is step {newest.step}. " if newest else "no valid checkpoint exists. ")
+            + f"Look at {look}{rank_hint}, and `resilient status {self.cfg.run_dir}` for the history.")
 
     def _end_failed(self, message: str) -> int:
         """The run stops failed: its lost steps charged, `message` recorded for status and said."""

@@ -57,8 +57,9 @@ class Hang:
         if self.kind == SILENT:
             return f"{who} silent for {self.for_s:.0f}s in phase {self.phase} at step {self.step}"
         if self.kind == NO_PROGRESS and self.never_stepped:
-            return (f"{who} reported no step in {self.for_s:.0f}s since it resumed at step {self.step} (a script of "
-                    "your own must call session.beat(step, loss) every step)")
+            since = "since it started" if not self.step else f"since it resumed at step {self.step}"
+            return (f"{who} reported no step in {self.for_s:.0f}s {since} (a script of your own must call "
+                    "session.beat(step, loss) every step)")
         if self.kind == NO_PROGRESS:
             waits = " (waiting for the others at the step-end agreement)" if self.waiting else ""
             return f"{who} made no progress for {self.for_s:.0f}s at step {self.step}{waits}"
