@@ -54,8 +54,10 @@ MAX_NOTES = 10  # rank 0's warnings kept for `status`: the newest
 
 class Supervisor:
     def __init__(self, cfg: JobConfig, layout: RunLayout, *, launcher: Launcher,
-                 console: EventConsole | None = None, clock: Callable[[], float] = time.monotonic):
+                 console: EventConsole | None = None, clock: Callable[[], float] = time.monotonic,
+                 keep_claims: Callable[[], None] = lambda: None):
         self.cfg, self.layout, self.launcher = cfg, layout, launcher
+        self.keep_claims = keep_claims  # the roots' claims made again if a root was wiped (each record write)
         self._farewell: Callable[[dict[str, Any]], str] | None = None  # a finished run's last line, from its books
         self.console = console or EventConsole(cfg.name)
         self.clock = clock
@@ -573,6 +575,7 @@ class Supervisor:
     def save_state(self, force: bool = True) -> None:
         now = self.clock()
         if force or now - self._last_state_write >= STATE_EVERY_S:
+            self.keep_claims()
             summary = self.accounting.summary(time.time())
             self.record.goodput = summary["goodput"]
             if self.replicator is not None:

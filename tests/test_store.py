@@ -243,6 +243,37 @@ def test_two_nodes_of_one_run_cannot_claim_one_local_tier_and_each_refusal_names
     RootClaim(local, tmp_path / "run", "checkpoint.local_dir", node="b").acquire().release()
 
 
+def test_a_local_tier_wiped_while_its_run_holds_it_is_claimed_again(tmp_path):
+    """Audit 13: wiped mid-run, the tier was made again by the ranks' next save with neither the record of whose
+    checkpoints it holds nor the run's lock: the next job given it resumed from this job's weights."""
+    import shutil
+
+    from supervisor.errors import ConfigError, RunLockedError
+    from supervisor.lock import OWNER_FILE, OWNERS_DIR, RootClaim
+
+    durable, local = tmp_path / "alpha-ckpt", tmp_path / "shm" / "n1"
+    claim = RootClaim(local, tmp_path / "run-a", "checkpoint.local_dir", node="n1", job="alpha", durable=durable)
+    claim.acquire()
+    try:
+        claim.reassert()  # nothing gone: nothing made
+        shutil.rmtree(local)
+        write_checkpoint(local, 400)  # the ranks' next save makes the folder again
+        assert not (local / OWNERS_DIR).exists()
+        claim.reassert()
+        assert json.loads((local / OWNERS_DIR / OWNER_FILE).read_text())["job"] == "alpha"
+        other = RootClaim(local, tmp_path / "run-b", "checkpoint.local_dir", node="n1", job="beta", durable=durable)
+        with pytest.raises(ConfigError, match="holds checkpoints of job 'alpha'"):
+            other.acquire()
+        second_run = RootClaim(local, tmp_path / "run-b", "checkpoint.local_dir", node="n1", job="alpha",
+                               durable=durable)
+        with pytest.raises(RunLockedError, match="another live run"):  # the run's lock is back too
+            second_run.acquire()
+    finally:
+        claim.release()
+    with pytest.raises(ConfigError, match="holds checkpoints of job 'alpha'"):  # and once the run has ended
+        other.refuse_if_taken()
+
+
 def test_a_root_holding_another_jobs_checkpoints_is_refused_even_when_no_run_holds_it(tmp_path):
     """Audit 7: job beta given job alpha's local_dir (the README's `/local_nvme/{node}`) resumed from alpha's weights,
     and a third job copied alpha's step into its own durable tier; a job of another name took alpha's durable root
