@@ -618,6 +618,8 @@ def test_nodes_the_run_went_on_without_are_retired_and_do_not_count(tmp_path, cl
                               attempt=1, ranks=[{"rank": rank, "pid": 1, "step": 5, "alive": True, "phase": "train",
                                                  "world_size": 2, "node": name}])
         rec.history.append(state.AttemptRecord(attempt=1, started_at=launched, resumed_from_step=None))
+        rec.goodput = 0.5 + rank / 10
+        rec.accounting = {"summary": dict.fromkeys(state.SUMMARY_SHOWN, 0.0) | {"goodput": rec.goodput}}
         (run_dir / "nodes" / name).mkdir(parents=True)
         path = run_dir / "nodes" / name / "state.json"
         state.write(path, rec)
@@ -637,7 +639,12 @@ def test_nodes_the_run_went_on_without_are_retired_and_do_not_count(tmp_path, cl
     assert [h["node"] for h in doc["history"]] == [next(n["node"] for n in doc["nodes"] if n["history"] ==
                                                         doc["history"])]
     assert all(h["node"] == n["node"] for n in doc["nodes"] for h in n["history"])
-    assert "retired: the run went on without it" in cli("status", run_dir).stdout
+    # each node's own books, not only the last writer's (audit 13: the contract's nodes[].goodput was missing)
+    assert {n["node"]: (n["goodput"], n["accounting"]["summary"]["goodput"]) for n in doc["nodes"]} == \
+        {"a": (0.5, 0.5), "b": (0.6, 0.6), "c": (0.6, 0.6), "d": (0.5, 0.5)}
+    said = " ".join(cli("status", run_dir).stdout.split())
+    assert "retired: the run went on without it" in said and "c: succeeded, attempt 1, 0 restart(s), goodput 60.0%" \
+        in said, said
     shutil.rmtree(run_dir / "nodes" / "c")
     shutil.rmtree(run_dir / "nodes" / "d")
     doc = json.loads(cli("status", run_dir, "--json").stdout)  # nobody followed them: a stopped run

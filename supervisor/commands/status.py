@@ -122,6 +122,7 @@ class StatusResult:
             d["nodes"] = [{"node": n.record.node, "state": n.effective_state.value,
                            "supervisor_alive": n.supervisor_alive, "attempt": n.record.attempt,
                            "restarts": n.record.restarts, "step": n.record.step,
+                           "goodput": n.record.goodput, "accounting": n.record.accounting,  # its own books
                            "replication": self._replication(n.record), "retired": n.retired,
                            "history": self._history(n.record)} for n in self.nodes]
         return d
@@ -214,8 +215,9 @@ class StatusResult:
         if len(self.nodes) > 1:
             nodes: list[str | Text] = ["nodes     "]
             for i, n in enumerate(self.nodes):
+                books = f", goodput {n.record.goodput:.1%}" if isinstance(n.record.goodput, (int, float)) else ""
                 nodes += [" · " if i else "", f"{n.record.node}: ", render.styled(n.effective_state.value),
-                          f", attempt {n.record.attempt}, {n.record.restarts} restart(s){self._node_note(n)}"]
+                          f", attempt {n.record.attempt}, {n.record.restarts} restart(s){books}{self._node_note(n)}"]
             lines.append(Text.assemble(*nodes))
         parts: list[Any] = [Text(line) if isinstance(line, str) else line for line in lines]
         current = rec.history[-1] if rec.history else None
