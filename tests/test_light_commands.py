@@ -283,6 +283,27 @@ def test_status_of_an_ended_tiered_run_gives_the_durable_step_on_disk_not_the_re
     assert json.loads(cli("status", tmp_path, "--json").stdout)["replication"]["newest_durable"] == 100
 
 
+def test_a_dead_supervisors_tiers_line_is_brought_to_what_both_tiers_hold(tmp_path, cli):
+    """Audit 13: after `kill -9` of a node's supervisor, status said `durable step 160 · not copied yet [160, 172]`
+    (160 was on disk), and `last valid checkpoint 340` after the local tier holding it was removed."""
+    from supervisor.state import ReplicationState
+
+    for step in (140, 160):
+        write_checkpoint(tmp_path / "checkpoints", step)
+    write_checkpoint(tmp_path / "local", 172)
+    rep = ReplicationState(str(tmp_path / "local"), "checkpoints", newest_local=172, newest_local_at=time.time(),
+                           newest_durable=140, newest_durable_at=time.time() - 4, pending=[150, 160, 172])
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=172, last_checkpoint_step=172,
+                replication=rep.to_dict())
+    doc = json.loads(cli("status", tmp_path, "--json").stdout)
+    assert (doc["replication"]["newest_durable"], doc["replication"]["pending"]) == (160, [172]), doc["replication"]
+    assert "last_checkpoint_problem" not in doc  # 172 is whole in the local tier
+    shutil.rmtree(tmp_path / "local" / store.step_dirname(172))  # the node replaced
+    doc = json.loads(cli("status", tmp_path, "--json").stdout)
+    assert doc["replication"]["pending"] == [] and doc["last_checkpoint_problem"] == "gone; newest valid: 160", doc
+    assert "(not valid on disk now: gone; newest valid: 160)" in " ".join(cli("status", tmp_path).stdout.split())
+
+
 def test_status_says_which_local_steps_the_durable_tier_never_got(tmp_path, cli):
     """A durable tier slower than the saves: the replicator copied the newest and skipped the rest; status says
     so in the tiers line and in --json."""

@@ -172,18 +172,24 @@ class StatusResult:
         """Why the recorded last checkpoint is not valid on disk now (deleted, damaged since), with the newest
         valid one; None when it is, or cannot be judged here (a local tier holds steps the durable root lacks)."""
         rec = self.primary.record
-        if rec.last_checkpoint_step is None or rec.replication:
+        if rec.last_checkpoint_step is None:
             return None
         root = self.checkpoint_root
+        roots = [root]
+        if rec.replication:  # judged only where this node's local tier can be seen (not from another machine)
+            local = self._replication(rec).get("local_root")
+            if not isinstance(local, str) or not Path(local).is_dir():
+                return None
+            roots.append(Path(local))
         if not root.is_dir():
             return f"its root {root} cannot be seen from here (not mounted, or gone)"
-        path = root / store.step_dirname(rec.last_checkpoint_step)
-        info = store.inspect(path) if path.is_dir() else None
-        if info is not None and info.valid:
+        name = store.step_dirname(rec.last_checkpoint_step)
+        infos = [store.inspect(r / name) for r in roots if (r / name).is_dir()]
+        if any(info.valid for info in infos):
             return None
-        newest = store.latest_valid(root)
-        return (f"{info.status.value}: {info.reason}" if info is not None else "gone") + \
-            f"; newest valid: {newest.step if newest is not None else 'none'}"
+        newest = max((n.step for r in roots if (n := store.latest_valid(r)) is not None), default=None)
+        return (f"{infos[0].status.value}: {infos[0].reason}" if infos else "gone") + \
+            f"; newest valid: {'none' if newest is None else newest}"
 
     def renderable(self) -> Group:
         p = self.primary
@@ -352,26 +358,36 @@ def _settle_local_tier(rec: RunRecord, run_dir: Path) -> store.CheckpointInfo | 
     if rep.newest_local is None or valid[-1].step > rep.newest_local:
         rep.newest_local, rep.newest_local_at = valid[-1].step, valid[-1].created_at
     durable = -1 if rep.newest_durable is None else rep.newest_durable
-    rep.pending = sorted(set(rep.pending) | {i.step for i in valid if i.step > durable})
+    there = {i.step for i in valid}  # a step the record lists that the tier no longer holds is not to be copied
+    rep.pending = sorted(s for s in set(rep.pending) | there if s in there and s > durable)
     rec.replication = rep.to_dict()
     return valid[-1]
 
 
-def _settle_durable_tier(rec: RunRecord, root: Path) -> None:
+def _settle_durable_tier(rec: RunRecord, root: Path, run_dir: Path) -> None:
     """With no supervisor to say it, the tiers line's durable step is the newest valid one on disk, not the one last
     recorded (audit 7: after `gc --verify` removed a corrupt durable step 120, status still said `durable step 120 ·
-    up to date`)."""
+    up to date`), and the steps not copied yet are those the local tier still holds above it, where that tier can
+    be seen from here (audit 13: "durable step 160 · not copied yet [160, 172]")."""
     if not rec.replication or not root.is_dir():
         return
     newest = store.latest_valid(root)
     step = newest.step if newest is not None else None
-    if step == rec.replication.get("newest_durable"):
-        return
     fields = {k: v for k, v in rec.replication.items() if k in ReplicationState.__dataclass_fields__}
     tiers = ReplicationState(**fields)
-    tiers.newest_durable = step
-    tiers.newest_durable_at = None if newest is None else \
-        store.saved_time(newest.created_at, newest.manifest.extra if newest.manifest else {})
+    pending = [s for s in tiers.pending if step is None or s > step]
+    local = layout.resolved(tiers.local_root, run_dir, what=f"{run_dir}'s state file (replication.local_root)") \
+        if tiers.local_root else None
+    if pending and local is not None and local.is_dir():
+        there = {i.step for i in store.scan(local) if i.valid}
+        pending = [s for s in pending if s in there]
+    if step == tiers.newest_durable and pending == tiers.pending:
+        return
+    tiers.pending = pending
+    if step != tiers.newest_durable:
+        tiers.newest_durable = step
+        tiers.newest_durable_at = None if newest is None else \
+            store.saved_time(newest.created_at, newest.manifest.extra if newest.manifest else {})
     rec.replication = tiers.to_dict()
 
 
@@ -406,7 +422,7 @@ def collect(target: str | None) -> StatusResult:
         if not n.alive and not n.record.state.final:
             settle_orphan(n.record, n.node_dir, t.checkpoint_root, run_dir)
         if not n.alive:
-            _settle_durable_tier(n.record, t.checkpoint_root)
+            _settle_durable_tier(n.record, t.checkpoint_root, run_dir)
         nodes.append(NodeStatus(n.record, n.node_dir, n.alive))
     for n, gone in zip(nodes, state.retired([(n.record, n.supervisor_alive) for n in nodes]), strict=True):
         n.retired = gone
