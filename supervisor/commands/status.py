@@ -304,7 +304,11 @@ def replication_lines(node: NodeStatus, now: float, *, named: bool) -> list[Text
         lag = " · up to date"
     deleted = set(r.get("deleted_unreplicated") or [])
     waiting = [s for s in r.get("pending") or [] if s not in deleted]
-    pending = "" if not waiting else f" · copying {waiting}" if node.supervisor_alive else \
+    # Newest first: an older one still waiting when a newer one lands is superseded, never copied (audit 13:
+    # "copying [60, 80, 100]" while only 100 would be)
+    pending = "" if not waiting else (f" · copying {waiting[0]}" if len(waiting) == 1 else
+                                      f" · not yet durable {waiting}, the newest copied first") \
+        if node.supervisor_alive else \
         f" · not copied yet {waiting} (`resilient run` again copies them)"
     # The durable tier could not keep up with the saves: the replicator copied newer ones instead of these.
     skipped = f" · {r['superseded']} not copied (superseded)" if r.get("superseded") else ""
