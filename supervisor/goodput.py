@@ -165,6 +165,15 @@ class Accounting:
     def end(self, t: float) -> None:
         self.attempts[-1].ended_at = t
 
+    def ranks_went_on(self, attempt: int, step: int | None) -> None:
+        """Attempt `attempt`, whose supervisor died, was trained on to `step` by its ranks (their step log says,
+        until torchrun's SIGTERM reached them): those steps are charged when lost, as any (audit 13: lost 88 of
+        350 - 260). Times stay the dead supervisor's: the wall clock counts only while a supervisor ran."""
+        a = self.attempts[-1] if self.attempts else None
+        if a is not None and a.attempt == attempt and step is not None and a.last_step is not None \
+                and step > a.last_step:
+            a.last_step = step
+
     def stalled(self, since: float, until: float) -> None:
         """The current attempt hung from `since` (its last progress) until it was detected at `until`."""
         a = self.attempts[-1]

@@ -71,6 +71,8 @@ class Supervisor:
         self._inspected = store.InspectCache()  # retention scans the root at every commit
         self.record, prev_updated_at = run_record.open_record(cfg, layout, self.console)
         self.accounting = Accounting.from_dict(self.record.accounting.get("ledger"), last_seen=prev_updated_at)
+        if (lost := self.record.history[-1] if self.record.history else None) and lost.reason == api.SUPERVISOR_LOST:
+            self.accounting.ranks_went_on(lost.attempt, lost.step_at_failure)
         self._restarts_before = self.record.restarts  # the budget is per invocation; the count is not
         ck = cfg.checkpoint
         self.interval = IntervalControl(ck, layout.node_dir / CONTROL_FILE, self.record.accounting.get("tuner"),

@@ -54,6 +54,24 @@ def test_loss_counts_only_steps_beyond_the_resume_point_and_survives_a_reload():
     assert restored.summary(35.0)["wall_s"] == pytest.approx(21.0 + 5.0)
 
 
+def test_steps_the_ranks_trained_after_their_supervisor_died_are_charged_when_lost():
+    """Audit 13: killed at step 348 (its last word), its ranks logged 350 before torchrun's SIGTERM reached them;
+    the rerun resumed from 260 and charged 88 steps, not 90. The times stay the dead supervisor's."""
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, 200)
+    run_steps(acc, 201, 348, 1.0, 0.1, {220: 0.0, 240: 0.0, 260: 0.0})
+    restored = Accounting.from_dict(acc.to_dict(), last_seen=16.0)
+    restored.ranks_went_on(2, 350)  # another attempt's: nothing
+    restored.ranks_went_on(1, 340)  # below what it saw: nothing
+    assert restored.attempts[0].last_step == 348
+    restored.ranks_went_on(1, 350)
+    restored.start_session(30.0)
+    restored.launch(2, 30.0, 260)
+    a1 = restored.attempts[0]
+    assert a1.lost_steps == 90 and a1.last_step_at == pytest.approx(1.0 + 0.1 * 148)
+
+
 def test_rollback_below_the_attempts_start_loses_all_of_it():
     acc = Accounting()
     acc.start_session(0.0)
