@@ -118,6 +118,7 @@ class Attempt:
         self._group_pids: set[int] = set()
         self._world: int | None = None
         self._resume_noted = False
+        self._step_shown = False  # this attempt has put a step in the record (from then on it only rises)
         self._failed_seen_at = 0.0
         self._finished_seen_at = 0.0
         self._stop_deadline: float | None = None  # a stop's grace ends then (monotonic)
@@ -456,8 +457,11 @@ class Attempt:
                           "own_steps_per_s": hb.own_steps_per_s, "hang_limit_s": round(watch.limit_s(rank), 2),
                           "note": note})
         self.run_record.ranks = ranks
-        if heartbeats:
-            self.run_record.step = max(hb.step for hb in heartbeats.values())
+        beaten = max((hb.step for hb in heartbeats.values() if hb.step is not None), default=None)
+        if beaten is not None:  # a beat lags the step log (audit 13: "progress step 214 · last valid checkpoint 220")
+            shown = self.run_record.step
+            self.run_record.step = beaten if not self._step_shown or shown is None else max(shown, beaten)
+            self._step_shown = True
 
     def _silent_ranks(self, watch: RankWatch, heartbeats: dict[int, Heartbeat], failed: int | None, *,
                       live_only: bool = False) -> list[tuple[float, int]]:
