@@ -376,12 +376,12 @@ class Supervisor:
             self._owned.add(key)
         self.record.last_checkpoint_step = commit.step
         if self.replicator is not None:  # a local commit: the replicator copies it and keeps both tiers' retention
-            if mine:
-                self._own(commit)
+            if mine:  # said before the replicator hears of it: its "in the durable tier" came first (audit 13)
                 blocked = self._blocking.pop(commit.step, None)
                 how = f"training blocked {blocked:.3f}s, " if blocked is not None else ""
                 self.console.event(f"checkpoint step {commit.step} committed to the local tier ({how}"
                                    f"{commit.bytes / 1e6:.1f} MB in {commit.persist_s:.2f}s)")
+                self._own(commit)
             self.save_state()
             return
         removed = self._own(commit) if mine else ""
