@@ -23,6 +23,7 @@ from supervisor.replicate import ROOT_LOCK, root_lock, split_unreplicated
 LOCK_WAIT_S = 10.0  # how long gc waits for the nodes' supervisors to leave a durable root's replication lock
 
 UNREPLICATED = "no durable copy yet: the supervisor is still copying it, or the durable tier failed"
+UNREPLICATED_STOPPED = "no durable copy yet: `resilient run` again copies it"  # no supervisor runs (audit 13)
 
 
 @dataclass
@@ -188,17 +189,18 @@ def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_
     if deep is not None:  # before anything is judged: a checkpoint kept in place of older ones is whole to its bytes
         infos = deep.read(infos, keep)
     loading = handed_over(t.run_dir)
-    plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=owner_alive(t.run_dir), handed_over=loading)
+    alive = owner_alive(t.run_dir)
+    plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=alive, handed_over=loading)
     local = []
     durable = {i.step for i in infos if i.valid}
     for node, lroot in targets.local_tiers(t):  # planned before anything is deleted anywhere
         linfos = store.scan(lroot, quarantined=True)
         if deep is not None:
             linfos = deep.read(linfos, keep_local)
-        lplan, held = split_unreplicated(retention.plan(lroot, linfos, keep_local, owner_alive=owner_alive(t.run_dir),
+        lplan, held = split_unreplicated(retention.plan(lroot, linfos, keep_local, owner_alive=alive,
                                                         handed_over=loading), linfos, durable)
         by_path = {i.path: i for i in linfos}
-        spared = [*lplan.spared, *((by_path[r.path], UNREPLICATED) for r in held)]
+        spared = [*lplan.spared, *((by_path[r.path], UNREPLICATED if alive else UNREPLICATED_STOPPED) for r in held)]
         local.append((node, lroot, retention.Plan(lplan.kept, lplan.remove, spared)))
     applied = None
     if not dry_run:
