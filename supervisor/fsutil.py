@@ -146,7 +146,18 @@ def write_problem(folder: str | os.PathLike) -> str | None:
         read_only = bool(os.statvfs(p).f_flag & os.ST_RDONLY)
     except OSError:
         read_only = False
-    return "read-only file system" if read_only else "permission denied"
+    return READ_ONLY if read_only else "permission denied"
+
+
+READ_ONLY = "read-only file system"
+
+
+def how_to_make_writable(problem: str) -> str:
+    """The fix for write_problem's answer: a remount only fixes a read-only mount (audit 13: it was named for a
+    folder made immutable with `chattr +i`, which says EPERM)."""
+    if problem == READ_ONLY:
+        return "Make it writable (remount it read-write)"
+    return "Give this user write access there (its mode and owner, or an immutable attribute: `lsattr -d`)"
 
 
 class Hasher(Protocol):

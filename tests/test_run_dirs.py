@@ -389,6 +389,25 @@ def test_a_read_only_run_dir_or_checkpoint_root_stops_run_with_one_line(readonly
     assert len(out.stderr.splitlines()) == 1 and os.listdir(run_dir) == [], "nothing may be created"
 
 
+def test_an_immutable_checkpoint_root_is_not_told_to_remount(tmp_path):
+    """Audit 13: `chattr +i` makes a folder unwritable even to root (EPERM): the fix named a remount, which does
+    nothing for it."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    made = subprocess.run(["chattr", "+i", str(ckpt)], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make a folder immutable here (needs root and chattr): {made.stderr.strip()}")
+    try:
+        out = run_cli(resilient("run", REPO / "jobs" / "tiny-cpu.yaml", "--run-dir", tmp_path / "run", "--set",
+                                f"checkpoint.dir={ckpt}"))
+    finally:
+        subprocess.run(["chattr", "-i", str(ckpt)], check=False, timeout=30)
+    assert out.returncode == 2 and out.stderr == (
+        f"resilient: {ckpt}: the checkpoint root cannot be written (permission denied); nothing was launched. Give "
+        "this user write access there (its mode and owner, or an immutable attribute: `lsattr -d`), or set "
+        "checkpoint.dir to a writable folder.\n"), out.stderr
+
+
 def test_run_on_a_full_disk_stops_with_one_sentence_before_anything_is_launched(small_disk, cli, monkeypatch):
     """Review 9: the run dir's lock was written outside any handler, so a run dir on a disk that filled up ended
     `resilient run` in a traceback."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from supervisor import layout, lock, render, retention, state, store, targets
 from supervisor.errors import ExitCode, ResilientError, UsageError
-from supervisor.fsutil import file_identity, write_problem
+from supervisor.fsutil import file_identity, how_to_make_writable, write_problem
 from supervisor.replicate import ROOT_LOCK, root_lock, split_unreplicated
 
 LOCK_WAIT_S = 10.0  # how long gc waits for the nodes' supervisors to leave a durable root's replication lock
@@ -208,7 +208,7 @@ def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_
             problem = write_problem(folder) if p.remove else None
             if problem is not None:
                 raise UsageError(f"{folder}: cannot delete there ({problem}); nothing was removed. "
-                                 "Make it writable (remount it read-write) and run gc again.")
+                                 f"{how_to_make_writable(problem)} and run gc again.")
         applied = retention.apply(plan)
     result = GcResult(t.checkpoint_root, plan, dry_run, applied, verified=deep is not None)
     if not as_json:

@@ -19,7 +19,7 @@ from supervisor import prewarm, slurm, state, targets
 from supervisor.config import NAME_RE, RDZV_CONF_KEYS, JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, ResilientError, UsageError
-from supervisor.fsutil import NO_ROOM, read_json, write_problem
+from supervisor.fsutil import NO_ROOM, how_to_make_writable, read_json, write_problem
 from supervisor.layout import (
     HEARTBEATS_DIR,
     LOGS_DIR,
@@ -102,7 +102,7 @@ def check_writable(cfg: JobConfig, layout: RunLayout, local: Path | None) -> Non
         problem = write_problem(folder) if folder is not None else None
         if problem is not None:
             todo = fix[0].upper() + fix[1:] if "not a folder" in problem else \
-                f"Make it writable (remount it read-write), or {fix}"
+                f"{how_to_make_writable(problem)}, or {fix}"
             raise ConfigError(f"{folder}: {what} cannot be written ({problem}); nothing was launched. {todo}.")
 
 
