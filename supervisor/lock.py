@@ -54,36 +54,6 @@ class RunLock:
         self._fd = fd
         return self
 
-    def reassert(self) -> None:
-        """Make the claim again if its files are gone while this run holds it: a local tier wiped mid-run (a
-        cleaner, an operator) was made again by the ranks' next save with neither the record of whose checkpoints
-        it holds nor this run's lock, so the next job given that folder took it and resumed from this one's
-        weights without a word (audit 13). Two looks when nothing is gone; what cannot be made now is tried
-        again at the next call."""
-        owners = self.root / OWNERS_DIR
-        if self._fd is None or ((owners / self._name()).exists() and
-                                (self.owner is None or (owners / OWNER_FILE).exists())):
-            return
-        with contextlib.suppress(OSError):
-            mutex = self._open_mutex_raw()
-            try:
-                fcntl.flock(mutex, fcntl.LOCK_EX)
-                if self.owner is not None and self._recorded_owner() is None:
-                    atomic_write_json(owners / OWNER_FILE, self.owner, durable=False)
-                fd = os.open(owners / self._name(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH)
-                    info = json.dumps({"run_dir": str(self.run_dir), "pid": os.getpid(),
-                                       "host": socket.gethostname(), "node": self.node})
-                    os.pwrite(fd, info.encode().ljust(4096), 0)
-                except OSError:
-                    os.close(fd)
-                    raise
-                old, self._fd = self._fd, fd
-                os.close(old)
-            finally:
-                os.close(mutex)
-
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
