@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -251,19 +251,10 @@ class Checkpointer:
         """Read the checkpoint at `path` into `template(keys in the checkpoint)`; DCP reshards as needed."""
         with _collection_paused():
             reader = RawReader(path)
-            keys = SavedKeys(reader.read_metadata().state_dict_metadata)
+            keys = set(reader.read_metadata().state_dict_metadata)
             sd = template(keys)
             dcp.load(sd, storage_reader=reader, process_group=self.ctx.ckpt_group)
         return sd
-
-
-class SavedKeys(set):
-    """The keys a checkpoint holds, with each tensor's global size (`sizes`): what a template is built from, and
-    what tells a model whose layers changed shape (a load of it would fail checkpoint after checkpoint)."""
-
-    def __init__(self, metadata: Mapping[str, Any]):
-        super().__init__(metadata)
-        self.sizes = {k: tuple(m.size) for k, m in metadata.items() if getattr(m, "size", None) is not None}
 
 
 _pauses = 0  # how many _collection_paused() are open, in any thread

@@ -287,15 +287,10 @@ def model_changed(keys: set[str], model_sd: Mapping[str, Any]) -> str | None:
     """Why the checkpoint's model (its `keys`) is not this one's, in one sentence, or None. Layers removed since the
     save were ignored by DCP without a word (their weights dropped for good once retention took the checkpoints
     that held them); layers added failed each checkpoint's load in turn. Both are the code's, on every checkpoint,
-    so they stop the run at once (EXIT_CONFIG). So does a layer whose shape changed, where `keys` carries the saved
-    sizes (checkpoint.SavedKeys): its load failed on each checkpoint in turn, a relaunch spent on each (audit 12)."""
+    so they stop the run at once (EXIT_CONFIG). Names only: a shape that changed is DCP's to name."""
     saved = {k[len("model."):] for k in keys if k.startswith("model.")}
     if not saved:  # nothing of a model in it (a test's, a script's own layout): nothing to compare
         return None
-    sizes = getattr(keys, "sizes", {})
-    resized = sorted(f"{k} {tuple(sizes['model.' + k])} → {tuple(v.shape)}" for k, v in model_sd.items()
-                     if isinstance(v, torch.Tensor) and k in saved and 'model.' + k in sizes
-                     and tuple(v.shape) != tuple(sizes['model.' + k]))
 
     def prefixes(name: str) -> list[str]:  # the name and its parents: DCP flattens a dict value into several keys
         parts = name.split(".")
@@ -305,14 +300,13 @@ def model_changed(keys: set[str], model_sd: Mapping[str, Any]) -> str | None:
     gone = sorted(k for k in saved if not any(p in mine for p in prefixes(k)))
     under_saved = {p for k in saved for p in prefixes(k)}
     new = sorted(k for k in mine if k not in under_saved)
-    if not gone and not new and not resized:
+    if not gone and not new:
         return None
 
     def some(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
     what = "; ".join(x for x in (f"the checkpoint holds {some(gone)}, which this model lacks" if gone else "",
-                                 f"this model has {some(new)}, which the checkpoint lacks" if new else "",
-                                 f"shapes differ: {some(resized)}" if resized else "") if x)
+                                 f"this model has {some(new)}, which the checkpoint lacks" if new else "") if x)
     return (f"the model changed since this checkpoint was saved ({what}): change it back, or train the new model "
             "in a new run dir")
