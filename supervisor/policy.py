@@ -164,7 +164,9 @@ class RestartPolicy:
         elif self.unloadable and load.step not in self.unloadable:
             return self._stop(f"checkpoint step {load.step} checks whole but failed to load {_tries(failed)}, as step "
                               f"{self.unloadable[0]} did before it: the checkpoints no longer match the training "
-                              f"code or model, and both are left where they are ({outcome.detail})")
+                              f"code or model, and both are left where they are ({outcome.detail}); change the code "
+                              "back and `resilient run` again resumes from the newest, or train the new model in a "
+                              "new run dir")
         else:
             self.unloadable.append(load.step)
             if load.older_valid is None:

@@ -655,6 +655,8 @@ def test_a_whole_checkpoint_is_retried_once_set_aside_after_two_failures_and_onl
     stop = p.decide(load_failed(20), progressed=False, newest_valid=20, older_valid=10, load=older)
     assert not stop.relaunch and stop.quarantine_step is None and "no longer match" in stop.message
     assert "as step 40 did before it" in stop.message and "both are left where they are" in stop.message
+    assert stop.message.endswith("change the code back and `resilient run` again resumes from the newest, or train "
+                                 "the new model in a new run dir")  # audit 12: the fix was not named
 
 
 def test_a_bad_checkpoint_stops_the_run_only_when_nothing_older_is_valid_and_is_set_aside_all_the_same():
