@@ -217,12 +217,19 @@ class RootClaim:
         """Make the claim again if its files are gone while this run holds it: a local tier wiped mid-run (a
         cleaner, an operator) was made again by the ranks' next save with neither the record of whose checkpoints
         it holds nor this run's lock, so the next job given that folder took it and resumed from this one's
-        weights without a word (audit 13). Two looks when nothing is gone; what cannot be made now is tried
-        again at the next call."""
-        owners = self.root / OWNERS_DIR
-        if self._fd is None or ((owners / self._name()).exists() and
-                                (self.owner is None or (owners / OWNER_FILE).exists())):
+        weights without a word (audit 13). A lock file another node of the run made again is held again too (the
+        old one, unlinked, blocks nobody). A few stat calls when nothing is gone; never raises (a filesystem that
+        errs now is asked again at the next call)."""
+        if self._fd is None:
             return
+        owners = self.root / OWNERS_DIR
+        try:
+            held, there = os.fstat(self._fd), os.stat(owners / self._name())
+            if (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino) and \
+                    (self.owner is None or (owners / OWNER_FILE).exists()):
+                return
+        except OSError:
+            pass  # gone (or unreadable now): made again below, if the filesystem lets us
         with contextlib.suppress(OSError):
             mutex = self._open_mutex_raw()
             try:

@@ -577,7 +577,10 @@ class Supervisor:
     def save_state(self, force: bool = True) -> None:
         now = self.clock()
         if force or now - self._last_state_write >= STATE_EVERY_S:
-            self.keep_claims()
+            try:
+                self.keep_claims()
+            except Exception as e:  # a claim is kept for the next run's sake: never a reason to end this one
+                log.debug("could not check the roots' claims: %s", e)
             summary = self.accounting.summary(time.time())
             self.record.goodput = summary["goodput"]
             if self.replicator is not None:

@@ -274,6 +274,29 @@ def test_a_local_tier_wiped_while_its_run_holds_it_is_claimed_again(tmp_path):
         other.refuse_if_taken()
 
 
+def test_a_wiped_durable_root_is_held_again_by_every_node_of_the_run(tmp_path):
+    """Review 11: after node a made the run's claim file again, node b still held the unlinked old one; once a
+    ended, nothing held the root for the live run, and another run could take it."""
+    import shutil
+
+    from supervisor.errors import RunLockedError
+    from supervisor.lock import RootClaim
+
+    root = tmp_path / "ckpt"
+    a = RootClaim(root, tmp_path / "run", job="alpha").acquire()
+    b = RootClaim(root, tmp_path / "run", job="alpha").acquire()  # another node of the same run
+    try:
+        shutil.rmtree(root)
+        a.reassert()
+        b.reassert()
+        a.release()
+        with pytest.raises(RunLockedError, match="another live run"):
+            RootClaim(root, tmp_path / "other-run", job="alpha").acquire()
+    finally:
+        a.release()
+        b.release()
+
+
 def test_a_root_holding_another_jobs_checkpoints_is_refused_even_when_no_run_holds_it(tmp_path):
     """Audit 7: job beta given job alpha's local_dir (the README's `/local_nvme/{node}`) resumed from alpha's weights,
     and a third job copied alpha's step into its own durable tier; a job of another name took alpha's durable root
