@@ -177,6 +177,7 @@ class Replicator:
         self._pause = float(os.environ.get(PAUSE_ENV) or 0.0)
         self._failures = 0  # copies failed in this process, ever
         self._said_failing = False  # the console has the failing tier's first sentence (once per outage here)
+        self._outage_before = 0.0  # how long the previous supervisor of this node had seen the durable tier fail
         self._buffer: memoryview | None = None  # page-aligned, for the durable writes (O_DIRECT)
         self._inspected = store.InspectCache()  # both tiers are scanned at every commit
 
@@ -413,7 +414,8 @@ class Replicator:
             f"{error.strerror} ({getattr(error, 'filename', '') or self.durable_root})"
         first = not self._said_failing
         self._said_failing = True
-        self.state.failing_since = self.state.failing_since or time.time()
+        # An outage the previous supervisor of this node timed goes on from its length then (carry_outage)
+        self.state.failing_since = self.state.failing_since or (time.time() - self._outage_before)
         self.state.last_error = f"step {step}: {reason}"
         if first:
             self.announce(f"cannot copy step {step} to the durable tier {self.durable_root}: {reason}; training goes "
@@ -438,17 +440,18 @@ class Replicator:
                           f"{time.time() - self.state.failing_since:.0f}s)", "green")
         self.state.failing_since, self.state.last_error = None, None
         self._said_failing = False
+        self._outage_before = 0.0
 
-    def carry_outage(self, previous: dict | None) -> None:
-        """A durable tier the previous supervisor of this node saw failing, and never saw work again, has been
-        failing since then: the outage limit counts from there, not from this start (a supervisor restarted each
-        hour would otherwise never reach a limit of an hour, and the local tier would fill). Its first
-        failure here is said again; a first copy that works ends the outage."""
+    def carry_outage(self, previous: dict | None, last_seen: float | None) -> None:
+        """A durable tier the previous supervisor of this node saw failing, and never saw work again: the outage
+        limit counts on from the length it had reached when that supervisor last wrote (`last_seen`), once a
+        copy here fails too; the time no supervisor ran is not counted, and a copy that works here ends it (a
+        supervisor restarted each hour never reached a limit of an hour, and the local tier filled; review 11: an
+        outage carried as a start time let one failed copy a day later delete uncopied steps)."""
         since = (previous or {}).get("failing_since")
-        if isinstance(since, (int, float)) and not isinstance(since, bool) and 0 < since <= time.time():
-            self.state.failing_since = float(since)
-            if isinstance(error := (previous or {}).get("last_error"), str):
-                self.state.last_error = error
+        if isinstance(since, (int, float)) and not isinstance(since, bool) and isinstance(last_seen, (int, float)) \
+                and 0 < since <= last_seen <= time.time():
+            self._outage_before = last_seen - since
 
     # ---- one step ------------------------------------------------------------------------------------------
 

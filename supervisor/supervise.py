@@ -90,7 +90,7 @@ class Supervisor:
                            if self.local_root is not None else None)
         previous = self.record.replication or {}
         if self.replicator is not None and previous.get("durable_root") == recorded(str(ck.dir), cfg.run_dir):
-            self.replicator.carry_outage(previous)  # the same durable tier: its outage goes on being timed
+            self.replicator.carry_outage(previous, prev_updated_at)  # the same durable tier: its outage goes on
         self.resume = ResumeChooser(ck, self.local_root, self.console, self._quarantined, self._next_attempt_number)
 
     # ---- the loop ---------------------------------------------------------------------------------

@@ -134,15 +134,20 @@ def test_a_restarted_supervisor_goes_on_timing_the_outage_it_inherited_and_says_
     said: list[str] = []
     r = Replicator(tmp_path / "local-a", tmp_path / "durable", "a", keep_local=1, keep=3, outage_s=3600.0,
                    announce=lambda text, style: said.append(text))
-    r.carry_outage({"failing_since": time.time() - 7200, "last_error": "step 10: No space left on device"})
-    for garbage in ({"failing_since": True}, {"failing_since": time.time() + 3600}, {"failing_since": "x"}, None):
-        Replicator(tmp_path / "local-a", tmp_path / "durable", "a", keep_local=1, keep=3,
-                   outage_s=3600.0).carry_outage(garbage)  # a damaged or future record carries nothing: no raise
+    # it failed from 7200 s ago until its supervisor's last word 60 s ago: 7140 s of outage, not counting the 60
+    r.carry_outage({"failing_since": time.time() - 7200, "last_error": "step 10: No space left on device"},
+                   time.time() - 60)
+    assert r.state.failing_since is None  # nothing failed here yet: no outage is in force, retention waits
+    for garbage, seen in (({"failing_since": True}, 1.0), ({"failing_since": time.time() + 3600}, time.time()),
+                          ({"failing_since": "x"}, 1.0), (None, None), ({"failing_since": 5.0}, None)):
+        other = Replicator(tmp_path / "local-a", tmp_path / "durable", "a", keep_local=1, keep=3, outage_s=3600.0)
+        other.carry_outage(garbage, seen)  # a damaged or future record carries nothing: no raise
+        assert other._outage_before == 0.0
     r.start()
     try:
         assert not r.drain(3.0)
         assert sum("cannot copy step" in text for text in said) == 1, said  # the new console hears it once
-        assert time.time() - r.state.failing_since > 7000  # timed from the previous supervisor's first failure
+        assert 7100 < time.time() - r.state.failing_since < 7180  # the outage's length, the time between not
         r._local_retention()
         assert [i.step for i in store.scan(tmp_path / "local-a")] == [30]  # past the limit: uncopied ones went
         (tmp_path / "durable").unlink()
