@@ -340,8 +340,8 @@ class Attempt:
             self.console.event(f"{name}: rank(s) {[h.rank for h in ignored]} still running after the grace; "
                                "capturing stacks before stopping them", style="red")
             evidence_note = f"; stacks of the ranks that did not stop in {self._capture(handle, ignored, heartbeats)}"
-        step = max((hb.step for hb in heartbeats.values()), default=self.run_record.step)
-        self.run_record.step = step
+        self._show_step(heartbeats)
+        step = self.run_record.step
         self.run_record.take_last_beats(heartbeats)
         saved, tier = store.latest_valid(self.cfg.checkpoint.dir), ""
         if self.handover.ckpt_local_dir:  # the stop's checkpoint is committed locally, copied to the durable tier later
@@ -406,6 +406,7 @@ class Attempt:
             world = max(hb.world_size for hb in heartbeats.values())
             self.rec.regroups = [*(self.rec.regroups or []), {"at": time.time(), "world_size": world}]
             self._resume_noted = False
+            self._step_shown = False  # the new group resumes from a checkpoint: its step may be below the old one's
             self.console.event(f"attempt {self.rec.attempt}: torchrun re-formed the group in place (a node joined "
                                f"or left): world size {self._world} → {world}", style="yellow")
         self._group_pids = live
@@ -457,8 +458,13 @@ class Attempt:
                           "own_steps_per_s": hb.own_steps_per_s, "hang_limit_s": round(watch.limit_s(rank), 2),
                           "note": note})
         self.run_record.ranks = ranks
+        self._show_step(heartbeats)
+
+    def _show_step(self, heartbeats: dict[int, Heartbeat]) -> None:
+        """The record's step from the beats, never below what this group showed already: a beat lags the step log
+        (audit 13: "progress step 214 · last valid checkpoint 220"). A new group (a regroup) starts it afresh."""
         beaten = max((hb.step for hb in heartbeats.values() if hb.step is not None), default=None)
-        if beaten is not None:  # a beat lags the step log (audit 13: "progress step 214 · last valid checkpoint 220")
+        if beaten is not None:
             shown = self.run_record.step
             self.run_record.step = beaten if not self._step_shown or shown is None else max(shown, beaten)
             self._step_shown = True

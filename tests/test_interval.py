@@ -222,6 +222,7 @@ def test_the_agreement_is_read_inside_its_window_so_a_wait_there_is_blamed_on_th
 
     from train_entry import session as session_mod
     from train_entry.session import Session
+    from train_entry.signals import StopRequest
 
     class Beater:
         control_interval, in_sync = None, False
@@ -231,6 +232,9 @@ def test_the_agreement_is_read_inside_its_window_so_a_wait_there_is_blamed_on_th
 
         def progress(self, step, own_s=None):
             pass
+
+        def note(self, text):
+            raise AssertionError(text)
 
     beater, reads = Beater(), []
     real = torch.Tensor.tolist
@@ -244,7 +248,9 @@ def test_the_agreement_is_read_inside_its_window_so_a_wait_there_is_blamed_on_th
     monkeypatch.setattr(torch.Tensor, "__float__", lambda t: pytest.fail("a read of the result one value at a time"))
     s = Session.__new__(Session)
     s.__init__(SimpleNamespace(), SimpleNamespace(world_size=2, rank=0, is_main=True, device=torch.device("cpu")),
-               beater, SimpleNamespace(raise_if_failed=lambda: None), SimpleNamespace(reason=None, at=None),
+               beater, SimpleNamespace(raise_if_failed=lambda: None), StopRequest(),
                interval=10, seed=0, grace_s=1.0, sync_every=1)
     s._resumed = True
     assert s.beat(1, 2.0) == 2.0 and reads == [True]
+    # weight 0 on every rank (a token-weighted loss over padding only): no mean, as the tensor's 0/0 gave, no raise
+    assert math.isnan(s.beat(2, 2.0, weight=0.0)) and reads == [True, True]

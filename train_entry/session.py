@@ -494,6 +494,9 @@ class Session:
         control = self.beater.control_interval
         if self.ctx.is_main and control and control != self.interval:
             want_interval = float(control)
+        if self.device.type == "cuda":  # this rank's own kernels end outside the window: slow ones are its own
+            torch.cuda.current_stream(self.device).synchronize()  # (a GPU loss's float() above has done it)
+            now = time.monotonic()
         step_s = (now - self._window_start) / self._window_steps
         t = torch.tensor([self._window_loss, self._window_weight, 1.0 if self.stop else 0.0, want_interval,
                           step_s], dtype=torch.float64, device=self.device)
@@ -502,13 +505,14 @@ class Session:
         # On NCCL the call only queues the reduction on the GPU's stream: the wait for the others is this read,
         # which must fall inside the window (review 10: it fell after it, so on a GPU no rank was ever seen
         # waiting for a hung one, and that wait was counted as the rank's own time). One read, one sync.
-        loss_sum, weight, stop, want, step_s_sum = t.tolist()
+        loss_sum, total_weight, stop, want, step_s_sum = t.tolist()
         self.beater.update(in_sync=False)
         done = time.monotonic()
         # Time not spent waiting for the others at this sync, per step: the rank everyone waits for has most.
         own_s = None if self._last_beat is None else ((now - self._last_beat) / self._window_steps)
         self._last_beat = done
-        self._mean = None if loss is None else loss_sum / weight
+        # weight 0 on every rank (a token-weighted loss of all-padding batches): no mean, as the tensor's 0/0 gave
+        self._mean = None if loss is None else loss_sum / total_weight if total_weight else math.nan
         self._window_loss = self._window_weight = 0.0
         self._window_steps, self._window_start = 0, done
         if stop > 0 and not self.stop_requested:
