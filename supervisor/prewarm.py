@@ -144,7 +144,7 @@ class PrewarmServer:
 ANSWER_S = 10.0  # the server answers a launch with the fork's pid in milliseconds; one that does not is stuck
 # A process the server forked has ended: how long the server may take to send its status (a busy machine's
 # scheduler can keep an idle server waiting; one that is stopped costs this once per attempt).
-STATUS_WAIT_S = 5.0
+STATUS_WAIT_S = prewarm_client.STATUS_WAIT_S
 
 
 class ForkedProcess:

@@ -24,6 +24,7 @@ ENV_SOCKET = "RESILIENT_PREWARM_SOCKET"
 # True in a worker the prewarm server forked: its parent is that server, not torchrun, so it must not ask to die
 # with its parent (train_entry.dist.die_with_parent reads this): its proxy, torchrun's child, does that for it.
 IN_FORK = False
+STATUS_WAIT_S = 5.0  # after the worker's own exit line, how long the server's status may take (supervisor.prewarm's)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -98,6 +99,7 @@ def _proxy(conn: socket.socket, argv: list[str], parent: int) -> None:
         if not isinstance(last.get("exit"), int):
             break
         said = last["exit"]
+        conn.settimeout(STATUS_WAIT_S)  # the server's status follows in ms; a stopped server must not hold us
     if last.get("status") is None and said is not None:  # the server died; the worker told us itself
         _leave_like(said << 8)  # as a wait status: exited with `said`
     if last.get("status") is None:

@@ -137,6 +137,7 @@ def test_gc_spares_partials_of_a_live_run(tmp_path, cli):
 
 
 def _state_file(run_dir, **kw):
+    kw.setdefault("supervisor", {"pid": 2**22 - 1, "host": socket.gethostname()})  # as a supervisor of this host's
     rec = state.RunRecord(name="tiny", run_dir=str(run_dir), checkpoint_dir=str(run_dir / "checkpoints"),
                           max_restarts=10, **kw)
     rec.history.append(state.AttemptRecord(attempt=0, started_at=time.time() - 30, resumed_from_step=None,
@@ -302,6 +303,11 @@ def test_a_dead_supervisors_tiers_line_is_brought_to_what_both_tiers_hold(tmp_pa
     doc = json.loads(cli("status", tmp_path, "--json").stdout)
     assert doc["replication"]["pending"] == [] and doc["last_checkpoint_problem"] == "gone; newest valid: 160", doc
     assert "(not valid on disk now: gone; newest valid: 160)" in " ".join(cli("status", tmp_path).stdout.split())
+    # The same record written on another machine: a folder of that name here is not its local tier (review 11)
+    _state_file(tmp_path, state=state.RunState.SUCCEEDED, step=172, last_checkpoint_step=172,
+                replication=rep.to_dict(), supervisor={"pid": 1, "host": "another-host"})
+    doc = json.loads(cli("status", tmp_path, "--json").stdout)
+    assert doc["replication"]["pending"] == [172] and "last_checkpoint_problem" not in doc, doc
 
 
 def test_status_says_which_local_steps_the_durable_tier_never_got(tmp_path, cli):
@@ -316,7 +322,7 @@ def test_status_says_which_local_steps_the_durable_tier_never_got(tmp_path, cli)
     text = cli("status", tmp_path).stdout
     assert "local step 140 · durable step 120 · lag 20 steps" in text
     # No supervisor runs: nothing is being copied (it said "copying"), and a failure is told in the past.
-    assert "not copied yet [140] (`resilient run` again copies them) · 2 not copied (superseded)" in text
+    assert "not copied yet [140] (`resilient run` again copies it) · 2 not copied (superseded)" in text
     replication = json.loads(cli("status", tmp_path, "--json").stdout)["replication"]
     assert replication["superseded"] == 2 and replication["durable_root"] == str(tmp_path / "checkpoints")  # absolute
     climbing = rep.to_dict() | {"local_root": "../../elsewhere"}  # a hand edit: refused, as by inspect and gc
@@ -476,7 +482,7 @@ def test_inspect_and_gc_show_and_act_on_both_tiers(tmp_path, cli):
     assert sorted(x["step"] for x in local["a"]["removed"]) == [20, 40]
     # no supervisor runs: the reason names what copies it (audit 13: "the supervisor is still copying it")
     assert [(x["step"], x["why"]) for x in local["a"]["spared"]] == [
-        (50, "no durable copy yet: `resilient run` again copies it")]
+        (50, "no durable copy yet: `resilient run` again copies the newest such step")]
     assert sorted(x["step"] for x in local["b"]["removed"]) == [20, 60]  # 60 is corrupt: 40 is b's newest valid
     assert sorted(p.name for p in local_a.iterdir()) == ["step_000000050", "step_000000060"]
     assert sorted(p.name for p in nvme_b.iterdir()) == ["step_000000040"]

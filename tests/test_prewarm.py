@@ -242,6 +242,26 @@ def test_forks_that_outlive_their_server_end_with_their_own_codes(tmp_path):
         srv.close()
 
 
+def test_a_ranks_proxy_leaves_with_the_workers_own_code_when_the_server_is_stopped(tmp_path):
+    """Review 11: with the server stopped (SIGSTOP), the proxy had the worker's own exit line and still waited for
+    good on the server's status; torchrun never saw the worker end."""
+    srv = prewarm.PrewarmServer(child_env())
+    try:
+        wait_for(srv.ready, 60, "a prewarm server of the test's own")
+        go = tmp_path / "go"
+        with started(client(tmp_path, srv, "wait", str(go), "3"), tmp_path, env=client_env(srv)) as p:
+            wait_for(lambda: "{" in p.output(), 30, "the worker to start")
+            os.kill(srv.popen.pid, signal.SIGSTOP)
+            go.touch()
+            started_at = time.monotonic()
+            assert p.wait(30) == 3, p.output()
+            assert time.monotonic() - started_at < prewarm.STATUS_WAIT_S + 5
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(srv.popen.pid, signal.SIGCONT)
+        srv.close()
+
+
 def test_a_stopped_server_neither_hides_a_forks_end_nor_holds_a_launch(tmp_path, monkeypatch):
     """Audit 8: with the server SIGSTOPped, a relaunch waited on its answer for good (no torchrun, no timeout, no
     stop), and a fork's end was waited on until each wait's whole timeout ran out."""

@@ -24,8 +24,8 @@ kind goes in the checkpoint, and why:
   collapsed to one rank's on load. A relaunch on the same world size gives each rank its own state back. On
   a different world size a rank's old state has no owner: the object's `reshard_state_dict(states, rank,
   world_size)` hook, if it has one, gets every saved rank's state (a list indexed by the old rank) and
-  decides: it applies this rank's new state itself and returns None, or returns it and `load_state_dict()` gets
-  it; without the hook the resume stops with one sentence naming the object. It is never restarted
+  decides: it applies this rank's new state itself, or returns it as a mapping and `load_state_dict()` gets it
+  (any other value returned is ignored); without the hook the resume stops with one sentence naming the object. It is never restarted
   from scratch and never handed another rank's state.
 
 An object in the run but not in the checkpoint (added since) also stops the resume: starting it fresh
@@ -370,7 +370,7 @@ class StatefulSet:
             try:
                 if method == RESHARD_HOOK:  # positionally, as the README shows it
                     mine = decl.obj.reshard_state_dict(state, rank, world_size)
-                    if mine is not None:  # audit 12: a hook that returns this rank's state had it dropped
+                    if isinstance(mine, Mapping):  # audit 12: a hook that returns this rank's state had it dropped
                         method = "load_state_dict"
                         decl.obj.load_state_dict(mine)
                 else:

@@ -23,7 +23,8 @@ from supervisor.replicate import ROOT_LOCK, root_lock, split_unreplicated
 LOCK_WAIT_S = 10.0  # how long gc waits for the nodes' supervisors to leave a durable root's replication lock
 
 UNREPLICATED = "no durable copy yet: the supervisor is still copying it, or the durable tier failed"
-UNREPLICATED_STOPPED = "no durable copy yet: `resilient run` again copies it"  # no supervisor runs (audit 13)
+# No supervisor runs (audit 13); a rerun copies the newest and drops the older ones as superseded (review 11)
+UNREPLICATED_STOPPED = "no durable copy yet: `resilient run` again copies the newest such step"
 
 
 @dataclass

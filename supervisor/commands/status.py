@@ -176,18 +176,21 @@ class StatusResult:
             return None
         root = self.checkpoint_root
         roots = [root]
-        if rec.replication:  # judged only where this node's local tier can be seen (not from another machine)
+        if rec.replication:  # judged only on that node's own machine, where its local tier is
             local = self._replication(rec).get("local_root")
-            if not isinstance(local, str) or not Path(local).is_dir():
+            if not on_this_host(rec) or not isinstance(local, str) or not Path(local).is_dir():
                 return None
             roots.append(Path(local))
         if not root.is_dir():
             return f"its root {root} cannot be seen from here (not mounted, or gone)"
         name = store.step_dirname(rec.last_checkpoint_step)
-        infos = [store.inspect(r / name) for r in roots if (r / name).is_dir()]
-        if any(info.valid for info in infos):
+        try:
+            infos = [store.inspect(r / name) for r in roots if (r / name).is_dir()]
+            if any(info.valid for info in infos):
+                return None
+            newest = max((n.step for r in roots if (n := store.latest_valid(r)) is not None), default=None)
+        except OSError:  # a tier this user cannot read: nothing to say of it
             return None
-        newest = max((n.step for r in roots if (n := store.latest_valid(r)) is not None), default=None)
         return (f"{infos[0].status.value}: {infos[0].reason}" if infos else "gone") + \
             f"; newest valid: {'none' if newest is None else newest}"
 
@@ -309,7 +312,8 @@ def replication_lines(node: NodeStatus, now: float, *, named: bool) -> list[Text
     pending = "" if not waiting else (f" · copying {waiting[0]}" if len(waiting) == 1 else
                                       f" · not yet durable {waiting}, the newest copied first") \
         if node.supervisor_alive else \
-        f" · not copied yet {waiting} (`resilient run` again copies them)"
+        (f" · not copied yet {waiting} (`resilient run` again copies "
+         + ("it)" if len(waiting) == 1 else f"the newest, {waiting[-1]}; the rest are superseded)"))
     # The durable tier could not keep up with the saves: the replicator copied newer ones instead of these.
     skipped = f" · {r['superseded']} not copied (superseded)" if r.get("superseded") else ""
     out = [Text(f"tiers{who}  local step {'-' if local is None else local} · durable step "
@@ -353,8 +357,13 @@ def _settle_local_tier(rec: RunRecord, run_dir: Path) -> store.CheckpointInfo | 
     recorded = (rec.replication or {}).get("local_root")
     if not isinstance(recorded, str) or not recorded:
         return None
+    if not on_this_host(rec):  # another machine's tier: a folder of the same name here is not it
+        return None
     lroot = layout.resolved(recorded, run_dir, what=f"{run_dir}'s state file (replication.local_root)")
-    valid = [i for i in store.scan(lroot) if i.valid] if lroot.is_dir() else []
+    try:
+        valid = [i for i in store.scan(lroot) if i.valid] if lroot.is_dir() else []
+    except OSError:  # one this user cannot read
+        return None
     if not valid:
         return None
     fields = {k: v for k, v in rec.replication.items() if k in ReplicationState.__dataclass_fields__}
@@ -366,6 +375,12 @@ def _settle_local_tier(rec: RunRecord, run_dir: Path) -> store.CheckpointInfo | 
     rep.pending = sorted(s for s in set(rep.pending) | there if s in there and s > durable)
     rec.replication = rep.to_dict()
     return valid[-1]
+
+
+def on_this_host(rec: RunRecord) -> bool:
+    """Whether the node's supervisor ran on this machine: only there is its recorded local tier its own (a
+    `local_dir` without {node} names a folder on every host; review 11)."""
+    return rec.supervisor.get("host") == socket.gethostname()
 
 
 def _settle_durable_tier(rec: RunRecord, root: Path, run_dir: Path) -> None:
@@ -381,10 +396,11 @@ def _settle_durable_tier(rec: RunRecord, root: Path, run_dir: Path) -> None:
     tiers = ReplicationState(**fields)
     pending = [s for s in tiers.pending if step is None or s > step]
     local = layout.resolved(tiers.local_root, run_dir, what=f"{run_dir}'s state file (replication.local_root)") \
-        if tiers.local_root else None
-    if pending and local is not None and local.is_dir():
-        there = {i.step for i in store.scan(local) if i.valid}
-        pending = [s for s in pending if s in there]
+        if tiers.local_root and on_this_host(rec) else None  # another machine's tier: its record says
+    with contextlib.suppress(OSError):  # one this user cannot read: the record says
+        if pending and local is not None and local.is_dir():
+            there = {i.step for i in store.scan(local) if i.valid}
+            pending = [s for s in pending if s in there]
     if step == tiers.newest_durable and pending == tiers.pending:
         return
     tiers.pending = pending
