@@ -25,8 +25,8 @@ kind goes in the checkpoint, and why:
   a different world size a rank's old state has no owner: the object's `reshard_state_dict(states, rank,
   world_size)` hook, if it has one, gets every saved rank's state (a list indexed by the old rank) and
   decides: it applies this rank's new state itself, or returns it as a mapping and `load_state_dict()` gets it
-  (any other value returned is ignored); without the hook the resume stops with one sentence naming the object. It is never restarted
-  from scratch and never handed another rank's state.
+  (any other value returned is ignored); without the hook the resume stops with one sentence naming the
+  object. It is never restarted from scratch and never handed another rank's state.
 
 An object in the run but not in the checkpoint (added since) also stops the resume: starting it fresh
 would be a silent restart. Every problem is a `StatefulError` whose message is one sentence naming the

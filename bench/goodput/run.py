@@ -320,8 +320,10 @@ def run_phase(phase: str, launch: Launch, run_dir: Path, schedule: list[Fault], 
               cap_s: float) -> dict[str, Any]:
     """Start the phase, inject its faults, stop at the final step or the cap; end every process it started."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    # TMPDIR: plain torchrun leaves a /tmp/torchelastic_* folder per launch; this one stays in the phase's folder
-    tmp = run_dir / "tmp"
+    # TMPDIR: plain torchrun leaves a /tmp/torchelastic_* folder per launch; this one stays in the phase's folder,
+    # a dot folder, which `resilient run` allows beside a new run (audit 14: `tmp` made it refuse every resilient
+    # phase's run dir as holding things that are not a run's)
+    tmp = run_dir / ".tmp"
     tmp.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp), **launch.env}
     faults = Injector(phase, schedule)
