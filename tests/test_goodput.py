@@ -193,3 +193,24 @@ def test_a_stop_in_the_backoff_books_the_backoff_as_down_time():
     acc.down_until(101.0)
     acc.launch(2, 101.0, 20)
     assert acc.down_s == pytest.approx(7.0)
+
+
+@pytest.mark.slow
+def test_the_goodput_benchmark_runs_a_resilient_phase_to_its_end(tmp_path):
+    """Audit 14: every README goodput command failed at once: the benchmark made a `tmp` folder in each phase's
+    run dir, and `resilient run` refuses a run dir holding things that are not a run's. One phase, for real."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "goodput"))
+    try:
+        import run as goodput_run
+    finally:
+        sys.path.pop(0)
+    args = goodput_run.parse_args(["--systems", "a", "--ideal-steps", "20", "--out", str(tmp_path / "gp")])
+    run_dir = args.out / "ideal-ft"
+    observed = goodput_run.run_phase("ideal-ft", goodput_run.phase_launch("ideal-ft", args, run_dir), run_dir, [],
+                                     args.ideal_steps, cap_s=120.0)
+    said = (run_dir / "launcher.log").read_text()
+    assert observed["finished"] and observed["exit_code"] == 0 and not observed["timed_out"], said[-3000:]
+    assert observed["self_report"]["restarts"] == 0 and observed["survivors"] == [], observed
