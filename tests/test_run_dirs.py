@@ -321,6 +321,8 @@ def test_status_wait_ranks_waits_for_training_ranks(tmp_path, cli, monkeypatch):
 
     r = cli("status", tmp_path / "not-yet", "--wait-ranks", "--wait-timeout", "0.3")
     assert r.exit_code == 1 and "no run with all ranks training after 0.3s" in r.stderr
+    said = " ".join(r.stderr.split())  # once, as --watch and --follow say it (audit 14: it waited without a word)
+    assert said.count("no such file or folder") == 1 and "waiting for it (up to 0.3s; Ctrl-C to leave)" in said, said
     rec = state.RunRecord(name="w", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.RUNNING)
     rec.ranks = [{"rank": 0, "pid": 11, "world_size": 2, "alive": True, "phase": "train", "heartbeat_at": time.time()}]
     state.write(tmp_path / "state.json", rec)

@@ -456,11 +456,16 @@ def wait_for_ranks(target: str | None, timeout_s: float, poll_s: float = 0.2) ->
     deadline = time.monotonic() + timeout_s
     where = target or "."
     ended_since: float | None = None
+    said = False
     while True:
         try:
             result = collect(target)
-        except NotYetError:  # not created yet, or no state file yet (a bad job file is said at once)
+        except NotYetError as e:  # not created yet, or no state file yet (a bad job file is said at once)
             result = None
+            if not said:  # once on stderr, as --watch and --follow say it (audit 14: it waited without a word)
+                said = True
+                render.err.print(f"{str(e).rstrip('.')}; waiting for it (up to {timeout_s:g}s; Ctrl-C to leave)",
+                                 highlight=False, soft_wrap=True, markup=False)
         if result is not None and result.ranks_ready():
             return result
         now = time.monotonic()
