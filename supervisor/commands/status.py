@@ -178,7 +178,7 @@ class StatusResult:
         roots = [root]
         if rec.replication:  # judged only on that node's own machine, where its local tier is
             local = self._replication(rec).get("local_root")
-            if not on_this_host(rec) or not isinstance(local, str) or not Path(local).is_dir():
+            if not on_this_host(rec.supervisor) or not isinstance(local, str) or not Path(local).is_dir():
                 return None
             roots.append(Path(local))
         if not root.is_dir():
@@ -357,7 +357,7 @@ def _settle_local_tier(rec: RunRecord, run_dir: Path) -> store.CheckpointInfo | 
     recorded = (rec.replication or {}).get("local_root")
     if not isinstance(recorded, str) or not recorded:
         return None
-    if not on_this_host(rec):  # another machine's tier: a folder of the same name here is not it
+    if not on_this_host(rec.supervisor):  # another machine's tier: a folder of the same name here is not it
         return None
     lroot = layout.resolved(recorded, run_dir, what=f"{run_dir}'s state file (replication.local_root)")
     try:
@@ -377,10 +377,10 @@ def _settle_local_tier(rec: RunRecord, run_dir: Path) -> store.CheckpointInfo | 
     return valid[-1]
 
 
-def on_this_host(rec: RunRecord) -> bool:
-    """Whether the node's supervisor ran on this machine: only there is its recorded local tier its own (a
-    `local_dir` without {node} names a folder on every host; review 11)."""
-    return rec.supervisor.get("host") == socket.gethostname()
+def on_this_host(supervisor: dict) -> bool:
+    """Whether a record's supervisor ran on this machine: only there is its pid a process here, and its recorded
+    local tier its own (a `local_dir` without {node} names a folder on every host; review 11)."""
+    return supervisor.get("host") == socket.gethostname()
 
 
 def _settle_durable_tier(rec: RunRecord, root: Path, run_dir: Path) -> None:
@@ -396,7 +396,7 @@ def _settle_durable_tier(rec: RunRecord, root: Path, run_dir: Path) -> None:
     tiers = ReplicationState(**fields)
     pending = [s for s in tiers.pending if step is None or s > step]
     local = layout.resolved(tiers.local_root, run_dir, what=f"{run_dir}'s state file (replication.local_root)") \
-        if tiers.local_root and on_this_host(rec) else None  # another machine's tier: its record says
+        if tiers.local_root and on_this_host(rec.supervisor) else None  # another machine's tier: its record says
     with contextlib.suppress(OSError):  # one this user cannot read: the record says
         if pending and local is not None and local.is_dir():
             there = {i.step for i in store.scan(local) if i.valid}
@@ -500,7 +500,7 @@ def _stale(sup: dict, age: float) -> str | None:
     """Why a live supervisor's record is old, if it is (audit 8: a stopped supervisor's record was shown as the
     present, ranks 23 s silent against a 10 s limit and still `running`)."""
     stopped = False
-    if sup.get("host") == socket.gethostname() and isinstance(sup.get("pid"), int):
+    if on_this_host(sup) and isinstance(sup.get("pid"), int):
         with contextlib.suppress(psutil.Error, ValueError):
             stopped = psutil.Process(sup["pid"]).status() == psutil.STATUS_STOPPED
     if stopped:
