@@ -498,7 +498,9 @@ def test_recovery_exercise_rank_logs_and_a_moved_run_dir_that_resumes(tmp_path, 
     with started(resilient("status", run_dir, "--wait-ranks", "--json"), tmp_path, log=tmp_path / "wait.log") as w, \
             started(run_job(run_dir, steps=60, sleep=0.1), tmp_path, log=tmp_path / "sup1.log") as sup:
         assert w.wait(120) == 0, w.output()
-        ranks = json.loads(w.output())["ranks"]
+        said = w.output()  # stdout and stderr together: the wait said once on stderr, then the JSON on stdout
+        assert said.count("waiting for it (up to") <= 1 and said.rstrip().endswith("}"), said
+        ranks = json.loads(said[said.index("{"):])["ranks"]
         assert [(r["rank"], r["alive"], r["phase"]) for r in ranks] == [(0, True, "train"), (1, True, "train")]
         with started(resilient("logs", run_dir, "--follow"), tmp_path, log=tmp_path / "follow.log") as follow:
             # following attempt 1 before the kill: under load its start took longer than the relaunch
