@@ -20,7 +20,8 @@ def open_record(cfg: JobConfig, layout: RunLayout, console: EventConsole) -> tup
     (or, for a node new to the run dir, from the newest record of the nodes before it), this supervisor's
     identity; and when the record it goes on from was last written."""
     prev: RunRecord | None = None
-    if layout.state_file.is_file():
+    own = layout.state_file.is_file()  # this node's own record, not a predecessor's
+    if own:
         try:
             prev = state.read(layout.state_file)
         except state.StateFileError as e:
@@ -44,6 +45,8 @@ def open_record(cfg: JobConfig, layout: RunLayout, console: EventConsole) -> tup
         # Its supervisor died (kill -9, a lost node): the attempt it left open is closed from its own node's files.
         state.close_lost_attempt(prev, RunLayout(cfg.run_dir, prev.node).node_dir)
         rec.accounting, rec.restarts = prev.accounting, prev.restarts
+        if own:  # this node's own tiers (a predecessor's were another node's): a failing durable tier's outage
+            rec.replication = prev.replication  # goes on being timed (review 12: it was never carried)
     rec.supervisor = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time(),
                       "version": __version__}
     return rec, prev.updated_at if prev else None

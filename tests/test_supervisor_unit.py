@@ -1521,3 +1521,34 @@ def test_the_records_step_never_falls_back_to_a_lagging_beat_but_does_after_an_i
     run.step = 220  # the step log's newer word
     assert seen(214) == 220 and seen(230) == 230
     assert seen(180, pids=(21, 22)) == 180  # a new group (other pids) resumed from step 180
+
+
+def test_a_restarted_supervisor_takes_up_its_nodes_durable_outage(tmp_path):
+    """Review 12: the outage's length was to carry over to the node's next supervisor, but the record it read from
+    was the new one, which never held the tiers: a supervisor restarted within the hour never reached
+    durable_outage_s. Through the real Supervisor and state file."""
+    import json
+    import time
+
+    from supervisor.config import load_job
+    from supervisor.console import EventConsole
+    from supervisor.layout import RunLayout
+    from supervisor.state import ReplicationState
+    from supervisor.supervise import Supervisor
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\ncheckpoint: {local_dir: local}\n")
+    cfg = load_job(job)
+    layout = RunLayout(cfg.run_dir, None)
+    layout.node_dir.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    rec = state.RunRecord(name="demo", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.STOPPED)
+    rec.replication = ReplicationState("local", "checkpoints", failing_since=now - 7200, last_error="step 10: full") \
+        .to_dict()
+    state.write(layout.state_file, rec)
+    doc = json.loads(layout.state_file.read_text())
+    doc["updated_at"] = now - 60  # its supervisor's last word
+    layout.state_file.write_text(json.dumps(doc))
+    sup = Supervisor(cfg, layout, launcher=lambda *a: None, console=EventConsole("demo"))
+    assert sup.replicator is not None and 7100 < sup.replicator._outage_before < 7180
+    assert sup.replicator.state.failing_since is None  # nothing in force until a copy fails here too
