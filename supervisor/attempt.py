@@ -463,7 +463,8 @@ class Attempt:
     def _show_step(self, heartbeats: dict[int, Heartbeat]) -> None:
         """The record's step from the beats, never below what this group showed already: a beat lags the step log
         (audit 13: "progress step 214 · last valid checkpoint 220"). A new group (a regroup) starts it afresh."""
-        beaten = max((hb.step for hb in heartbeats.values() if hb.step is not None), default=None)
+        group = current_group(heartbeats)  # a regroup's older ranks' files (a smaller world) stay behind
+        beaten = max((hb.step for hb in group.values() if hb.step is not None), default=None)
         if beaten is not None:
             shown = self.run_record.step
             self.run_record.step = beaten if not self._step_shown or shown is None else max(shown, beaten)

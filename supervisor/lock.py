@@ -232,8 +232,8 @@ class RootClaim:
             pass  # gone (or unreadable now): made again below, if the filesystem lets us
         with contextlib.suppress(OSError):
             mutex = self._open_mutex_raw()
-            try:
-                fcntl.flock(mutex, fcntl.LOCK_EX)
+            try:  # not waited for: a claim being taken (or a hung lock server) is tried again at the next call
+                fcntl.flock(mutex, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if self.owner is not None and self._recorded_owner() is None:
                     atomic_write_json(owners / OWNER_FILE, self.owner, durable=False)
                 fd = os.open(owners / self._name(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)

@@ -92,6 +92,10 @@ def _proxy(conn: socket.socket, argv: list[str], parent: int) -> None:
     while True:
         try:
             last = json.loads(read_line(conn) or b"{}")
+        except TimeoutError:  # after the worker's own line: a stopped server, or a worker still tearing down
+            if _running(pid):  # (a large GPU process frees its memory for seconds): only its end is waited for
+                continue
+            last = {"error": "no status from the server"}
         except (OSError, ValueError) as e:
             last = {"error": str(e)}
         if not isinstance(last, dict):
@@ -106,6 +110,15 @@ def _proxy(conn: socket.socket, argv: list[str], parent: int) -> None:
         print(f"resilient: lost the prewarm server's answer for worker pid {pid} ({last.get('error', 'closed')}); "
               "leaving with exit 1", file=sys.stderr)
     _leave_like(last.get("status"))
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` still runs: neither gone nor a zombie (ended, its parent not reaping it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _die_with(parent: int, sig: int) -> None:

@@ -202,11 +202,16 @@ def test_the_goodput_benchmark_runs_a_resilient_phase_to_its_end(tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "goodput"))
+    bench = Path(__file__).resolve().parent.parent / "bench" / "goodput"
+    before = set(sys.modules)
+    sys.path.insert(0, str(bench))
     try:
         import run as goodput_run
     finally:
         sys.path.pop(0)
+        for name in set(sys.modules) - before:  # `run`, `faults`, `analyze`: names too plain to leave behind
+            if str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(bench)):
+                del sys.modules[name]
     args = goodput_run.parse_args(["--systems", "a", "--ideal-steps", "20", "--out", str(tmp_path / "gp")])
     run_dir = args.out / "ideal-ft"
     observed = goodput_run.run_phase("ideal-ft", goodput_run.phase_launch("ideal-ft", args, run_dir), run_dir, [],

@@ -120,6 +120,19 @@ def test_a_hook_that_returns_this_ranks_state_has_it_loaded_not_dropped():
     assert loader.value == 10 + 30 and notes == ["loader (per_rank, 4 ranks -> 2 by its reshard_state_dict hook)"]
 
 
+class ReturnsATuple(Counter):
+    def reshard_state_dict(self, states: list[dict[str, Any]], rank: int, world_size: int) -> tuple:
+        return (states[rank]["value"],)
+
+
+def test_a_hook_that_returns_neither_none_nor_a_state_dict_stops_the_resume():
+    """Review 12: a tuple returned was ignored and the object restarted from scratch, without a word."""
+    saved = save(2, lambda r: {"loader": PerRank(ReturnsATuple(r))})
+    with pytest.raises(StatefulError, match=r"its reshard_state_dict\(\) returned a tuple: return None once it has "
+                                            r"applied this rank's state, or return this rank's state dict"):
+        resume({"loader": PerRank(ReturnsATuple())}, saved, rank=0, world=1)
+
+
 def test_a_world_size_change_without_the_hook_stops_with_one_sentence_naming_the_object():
     saved = save(2, lambda r: {"loader": PerRank(Counter(r))})
     with pytest.raises(StatefulError) as e:

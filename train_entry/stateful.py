@@ -24,9 +24,9 @@ kind goes in the checkpoint, and why:
   collapsed to one rank's on load. A relaunch on the same world size gives each rank its own state back. On
   a different world size a rank's old state has no owner: the object's `reshard_state_dict(states, rank,
   world_size)` hook, if it has one, gets every saved rank's state (a list indexed by the old rank) and
-  decides: it applies this rank's new state itself, or returns it as a mapping and `load_state_dict()` gets it
-  (any other value returned is ignored); without the hook the resume stops with one sentence naming the
-  object. It is never restarted from scratch and never handed another rank's state.
+  decides: it applies this rank's new state itself and returns None, or returns it as a mapping and
+  `load_state_dict()` gets it (any other return stops the resume); without the hook the resume stops with one
+  sentence naming the object. It is never restarted from scratch and never handed another rank's state.
 
 An object in the run but not in the checkpoint (added since) also stops the resume: starting it fresh
 would be a silent restart. Every problem is a `StatefulError` whose message is one sentence naming the
@@ -367,6 +367,7 @@ class StatefulSet:
                 method = RESHARD_HOOK
             else:
                 state, method = unpack(sd[f"per_rank.{name}.rank{rank}"]), "load_state_dict"
+            mine = None
             try:
                 if method == RESHARD_HOOK:  # positionally, as the README shows it
                     mine = decl.obj.reshard_state_dict(state, rank, world_size)
@@ -379,6 +380,10 @@ class StatefulSet:
                 detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""  # one line, not a wall
                 raise StatefulError(f"{self.describe(name, decl)}: its {method}() raised "
                                     f"{type(e).__name__}{': ' + detail if detail else ''}") from e
+            if mine is not None and not isinstance(mine, Mapping):  # neither applied nor loadable: never silent
+                raise StatefulError(f"{self.describe(name, decl)}: its {RESHARD_HOOK}() returned a "
+                                    f"{type(mine).__name__}: return None once it has applied this rank's state, "
+                                    "or return this rank's state dict for load_state_dict()")
             notes.append(f"{name} ({decl.kind}"
                          + (f", {plan.saved_world} ranks -> {world_size} by its {RESHARD_HOOK} hook" if plan.reshard
                             else "") + ")")

@@ -178,7 +178,10 @@ class StatusResult:
         roots = [root]
         if rec.replication:  # judged only on that node's own machine, where its local tier is
             local = self._replication(rec).get("local_root")
-            if not on_this_host(rec.supervisor) or not isinstance(local, str) or not Path(local).is_dir():
+            try:
+                if not on_this_host(rec.supervisor) or not isinstance(local, str) or not Path(local).is_dir():
+                    return None
+            except OSError:  # under a folder this user cannot search: nothing to say of it
                 return None
             roots.append(Path(local))
         if not root.is_dir():
