@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import datetime as dt
 import logging
 import os
@@ -92,16 +91,8 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Ask Linux to send `sig` when our parent (torchrun) dies, so a killed launcher orphans no rank. A rank the
     prewarm server forked has that server as its parent, whose death (an OOM kill) must not stop it: its proxy,
     torchrun's child, dies with torchrun instead and forwards the signal."""
-    if prewarm_client.IN_FORK:
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
-    except OSError:  # not Linux: the supervisor-pid watch still covers us
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os.kill(os.getpid(), sig)
+    if not prewarm_client.IN_FORK:
+        prewarm_client.die_with_parent(sig, orphaned_if_init=True)  # pid 1: the parent died before prctl took effect
 
 
 SETTLE_LIMIT_S = 0.5
