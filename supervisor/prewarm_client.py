@@ -87,7 +87,7 @@ def _proxy(conn: socket.socket, argv: list[str], parent: int) -> None:
     pid = int(first["pid"])
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
-    die_with_parent(signal.SIGTERM, parent=parent)  # torchrun gone: the worker is asked to stop, as a cold rank is
+    die_with_parent(signal.SIGTERM, parent)  # torchrun gone: the worker is asked to stop, as a cold rank is
     said: int | None = None  # the worker's own exit code, said as it left: all there is if the server is gone
     while True:
         try:
@@ -121,18 +121,17 @@ def _running(pid: int) -> bool:
         return False
 
 
-def die_with_parent(sig: int, *, orphaned_if_init: bool = False, parent: int | None = None) -> None:
-    """Have Linux send `sig` when our parent dies (PR_SET_PDEATHSIG); sent now if the parent died already: it is
-    no longer `parent`, or (`orphaned_if_init`) ours is pid 1. Here, standard library only, for the rank proxy and
-    for train_entry's ranks alike."""
+def die_with_parent(sig: int, parent: int) -> None:
+    """Have Linux send `sig` when our parent dies (PR_SET_PDEATHSIG); sent now if it died already, so that ours is
+    no longer `parent` (read before, not "is it pid 1": torchrun is pid 1 as a container's command). Here, standard
+    library only, for the rank proxy and for train_entry's ranks alike."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6").prctl(1, int(sig), 0, 0, 0)
     except OSError:  # not Linux: the ranks' watch of the supervisor's pid still covers them
         return
-    now = os.getppid()
-    if (parent is not None and now != parent) or (orphaned_if_init and now == 1):
+    if os.getppid() != parent:
         os.kill(os.getpid(), sig)
 
 

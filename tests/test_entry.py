@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from supervisor import store
-from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED
+from supervisor.protocol import EXIT_NAN, EXIT_PREEMPTED, pid_running
 from tests.ckpt_helpers import assert_same_training_state, dcp_tensors, stateful_entries
 from tests.proc import Proc, child_env, heartbeat, started, step_of, torchrun, wait_for
 
@@ -267,3 +267,32 @@ def test_proc_helper_kills_the_whole_tree(tmp_path):
     wait_for(lambda: len(p.alive_descendants()) == 2, 20, "the child")
     p.kill_all()
     assert p.alive_descendants() == []
+
+
+def test_ranks_under_a_torchrun_that_is_pid_1_train_and_die_with_a_torchrun_killed(tmp_path):
+    """torchrun as a container's command is pid 1: each rank took "my parent is pid 1" for its parent's death and
+    stopped itself at the start (exit 75 after step 1). A rank still ends when its torchrun is SIGKILLed."""
+    import subprocess
+
+    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"no pid namespaces here (needs root and unshare): {probe.stderr.strip()}")
+    argv = ["unshare", "--pid", "--fork", *torchrun(1, ["--steps", "5"])]
+    with started(argv, tmp_path, log=tmp_path / "pid1.log") as p:
+        assert p.wait(LAUNCH_TIMEOUT) == 0, p.output()[-3000:]
+        assert "finished at step 5" in p.output() and "stop requested" not in p.output()
+    with started(torchrun(1, ["--steps", "100000", "--test-sleep-per-step", "0.05"]), tmp_path,
+                 log=tmp_path / "killed.log") as p:
+        wait_for(lambda: "startup:" in p.output(), LAUNCH_TIMEOUT, "the rank past its start")
+        rank = rank_pid(p)
+        os.kill(p.pid, signal.SIGKILL)  # torchrun alone: the kernel's SIGTERM reaches its rank, which stops
+        wait_for(lambda: not pid_running(rank), 60, "the rank to end with its torchrun")
+
+
+def rank_pid(p: Proc) -> int:
+    """The pid of the one rank `p` (a torchrun of one rank) started."""
+    import psutil
+
+    ranks = [c.pid for c in psutil.Process(p.pid).children() if "-m" in c.cmdline() and "train_entry" in c.cmdline()]
+    assert len(ranks) == 1, ranks
+    return ranks[0]

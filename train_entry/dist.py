@@ -92,7 +92,8 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     prewarm server forked has that server as its parent, whose death (an OOM kill) must not stop it: its proxy,
     torchrun's child, dies with torchrun instead and forwards the signal."""
     if not prewarm_client.IN_FORK:
-        prewarm_client.die_with_parent(sig, orphaned_if_init=True)  # pid 1: the parent died before prctl took effect
+        # torchrun as a container's command is pid 1: "our parent is pid 1" stopped every rank at its start
+        prewarm_client.die_with_parent(sig, os.getppid())
 
 
 SETTLE_LIMIT_S = 0.5
