@@ -177,13 +177,13 @@ class StatusResult:
         root = self.checkpoint_root
         roots = [root]
         if rec.replication:  # judged only on that node's own machine, where its local tier is
-            local = self._replication(rec).get("local_root")
+            local = own_local_tier(rec, self.run_dir)
             try:
-                if not on_this_host(rec.supervisor) or not isinstance(local, str) or not Path(local).is_dir():
+                if local is None or not local.is_dir():
                     return None
             except OSError:  # under a folder this user cannot search: nothing to say of it
                 return None
-            roots.append(Path(local))
+            roots.append(local)
         if not root.is_dir():
             return f"its root {root} cannot be seen from here (not mounted, or gone)"
         name = store.step_dirname(rec.last_checkpoint_step)
@@ -357,12 +357,9 @@ def settle_orphan(rec: RunRecord, node_dir: Path, root: Path, run_dir: Path) -> 
 def _settle_local_tier(rec: RunRecord, run_dir: Path) -> store.CheckpointInfo | None:
     """The newest valid step of the node's local tier, where the ranks of a killed supervisor commit their stop
     checkpoint; the tiers line is brought up to it (newest local step, lag, the steps not copied yet)."""
-    recorded = (rec.replication or {}).get("local_root")
-    if not isinstance(recorded, str) or not recorded:
+    lroot = own_local_tier(rec, run_dir)
+    if lroot is None:
         return None
-    if not on_this_host(rec.supervisor):  # another machine's tier: a folder of the same name here is not it
-        return None
-    lroot = layout.resolved(recorded, run_dir, what=f"{run_dir}'s state file (replication.local_root)")
     try:
         valid = [i for i in store.scan(lroot) if i.valid] if lroot.is_dir() else []
     except OSError:  # one this user cannot read
@@ -378,6 +375,15 @@ def _settle_local_tier(rec: RunRecord, run_dir: Path) -> store.CheckpointInfo | 
     rep.pending = sorted(s for s in set(rep.pending) | there if s in there and s > durable)
     rec.replication = rep.to_dict()
     return valid[-1]
+
+
+def own_local_tier(rec: RunRecord, run_dir: Path) -> Path | None:
+    """The node's recorded local tier, where it can be read from here: only on the node's own machine (another
+    machine's tier is not a folder of the same name here)."""
+    recorded = (rec.replication or {}).get("local_root")
+    if not isinstance(recorded, str) or not recorded or not on_this_host(rec.supervisor):
+        return None
+    return layout.resolved(recorded, run_dir, what=f"{run_dir}'s state file (replication.local_root)")
 
 
 def on_this_host(supervisor: dict) -> bool:
@@ -398,8 +404,7 @@ def _settle_durable_tier(rec: RunRecord, root: Path, run_dir: Path) -> None:
     fields = {k: v for k, v in rec.replication.items() if k in ReplicationState.__dataclass_fields__}
     tiers = ReplicationState(**fields)
     pending = [s for s in tiers.pending if step is None or s > step]
-    local = layout.resolved(tiers.local_root, run_dir, what=f"{run_dir}'s state file (replication.local_root)") \
-        if tiers.local_root and on_this_host(rec.supervisor) else None  # another machine's tier: its record says
+    local = own_local_tier(rec, run_dir)  # another machine's tier: its record says
     with contextlib.suppress(OSError):  # one this user cannot read: the record says
         if pending and local is not None and local.is_dir():
             there = {i.step for i in store.scan(local) if i.valid}
