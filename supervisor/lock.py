@@ -152,16 +152,21 @@ class RootClaim:
             self.refuse_if_taken()
             if self.owner is not None and self._recorded_owner() != self.owner:
                 atomic_write_json(owners / OWNER_FILE, self.owner, durable=False)
-            fd = os.open(owners / self._name(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            info = json.dumps({"run_dir": str(self.run_dir), "pid": os.getpid(), "host": socket.gethostname(),
-                               "node": self.node})
-            with _named_on_error(fd, owners / self._name()):
-                os.pwrite(fd, info.encode().ljust(4096), 0)  # one run's nodes all write the same run dir
-            self._fd = fd
+            self._fd = self._hold(owners)
         finally:
             os.close(mutex)  # closing drops the exclusive lock
         return self
+
+    def _hold(self, owners: Path) -> int:
+        """This run's lock file in `owners`, made if need be, held shared, saying who holds it; its fd."""
+        path = owners / self._name()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        with _named_on_error(fd, path):
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            info = json.dumps({"run_dir": str(self.run_dir), "pid": os.getpid(), "host": socket.gethostname(),
+                               "node": self.node})
+            os.pwrite(fd, info.encode().ljust(4096), 0)  # one run's nodes all write the same run dir
+        return fd
 
     def _recorded_owner(self) -> dict | None:
         try:
@@ -236,16 +241,7 @@ class RootClaim:
                 fcntl.flock(mutex, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if self.owner is not None and self._recorded_owner() is None:
                     atomic_write_json(owners / OWNER_FILE, self.owner, durable=False)
-                fd = os.open(owners / self._name(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH)
-                    info = json.dumps({"run_dir": str(self.run_dir), "pid": os.getpid(),
-                                       "host": socket.gethostname(), "node": self.node})
-                    os.pwrite(fd, info.encode().ljust(4096), 0)
-                except OSError:
-                    os.close(fd)
-                    raise
-                old, self._fd = self._fd, fd
+                old, self._fd = self._fd, self._hold(owners)
                 os.close(old)
             finally:
                 os.close(mutex)
