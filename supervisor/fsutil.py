@@ -19,6 +19,8 @@ TAP_BLOCK = 1 << 20  # HashedFile.write's tap: hashed twice while in the cache
 
 
 NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})  # a folder that takes no more writes
+READ_ONLY = "read-only file system"  # write_problem's answer for a read-only mount
+
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a directory's entries (creations, renames) durable."""
@@ -147,9 +149,6 @@ def write_problem(folder: str | os.PathLike) -> str | None:
     except OSError:
         read_only = False
     return READ_ONLY if read_only else "permission denied"
-
-
-READ_ONLY = "read-only file system"
 
 
 def how_to_make_writable(problem: str) -> str:
