@@ -51,18 +51,19 @@ class Hang:
     phase: str | None
     never_stepped: bool = False  # in `train` since its resume without reporting one step
     waiting: bool = False  # in the step-end agreement, waiting for the others
+    saving: tuple[int, ...] = ()  # ranks waiting for this one inside save(step): it never called it, or not yet
 
     def describe(self) -> str:
         who = f"rank {self.rank}" if self.rank is not None else "no rank"
         if self.kind == SILENT:
-            return f"{who} silent for {self.for_s:.0f}s in phase {self.phase} at step {self.step}"
+            return f"{who} silent for {self.for_s:.0f}s in phase {self.phase} at step {self.step}{self._saving()}"
         if self.kind == NO_PROGRESS and self.never_stepped:
             since = "since it started" if not self.step else f"since it resumed at step {self.step}"
             return (f"{who} reported no step in {self.for_s:.0f}s {since} (a script of your own must call "
                     "session.beat(step, loss) every step)")
         if self.kind == NO_PROGRESS:
             waits = " (waiting for the others at the step-end agreement)" if self.waiting else ""
-            return f"{who} made no progress for {self.for_s:.0f}s at step {self.step}{waits}"
+            return f"{who} made no progress for {self.for_s:.0f}s at step {self.step}{waits}{self._saving()}"
         if self.kind in (STARTUP, SAVE_TOO_LONG):
             return f"{who} still in {self.phase} after {self.for_s:.0f}s"
         if self.kind == STOP_IGNORED:
@@ -70,6 +71,13 @@ class Hang:
         if self.rank is not None:
             return f"{who} wrote no heartbeat in {self.for_s:.0f}s (the other ranks did)"
         return f"no heartbeat from any rank after {self.for_s:.0f}s"
+
+    def _saving(self) -> str:
+        if not self.saving:
+            return ""
+        ranks = "rank " + ", ".join(map(str, self.saving)) if len(self.saving) < 4 else f"{len(self.saving)} ranks"
+        return (f" and has not entered save({self.step}), where {ranks} {'waits' if len(self.saving) == 1 else 'wait'}"
+                " for it: save() is collective, call it on every rank at the same steps")
 
 
 OBSERVE_GAP_S = 5.0  # looks this far apart: the supervisor did not look in between (its poll is 0.5 s)
@@ -150,11 +158,16 @@ class RankWatch:
             elif phase == "train" and s.hb.first_step_at is None and since_launch <= self.startup_timeout_s:
                 continue  # its first step: the startup's allowance
             elif phase == "train" and now - s.step_at > limit:
+                # a save of its step started elsewhere and waits for this rank: `if rank == 0: save()` (or slow
+                # code of the user's between beat() and save())
+                saving = tuple(r for r, o in sorted(self.seen.items())
+                               if o.hb.phase == "save" and s.hb.step is not None and o.hb.saving_step == s.hb.step)
                 if silent > self.stall_floor_s:  # stopped beating too: the one the others wait for
-                    found.append(Hang(rank, SILENT, silent, s.hb.step, phase))
+                    found.append(Hang(rank, SILENT, silent, s.hb.step, phase, saving=saving))
                 else:
                     found.append(Hang(rank, NO_PROGRESS, now - s.step_at, s.hb.step, phase,
-                                      never_stepped=s.hb.first_step_at is None, waiting=s.hb.in_sync))
+                                      never_stepped=s.hb.first_step_at is None, waiting=s.hb.in_sync,
+                                      saving=saving))
         if self.expected_ranks and since_launch > self.startup_timeout_s:
             for rank in range(self.expected_ranks):
                 if rank not in self.seen:

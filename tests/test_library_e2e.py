@@ -368,3 +368,31 @@ def test_two_optimizers_over_one_fsdp2_model_resume_bitwise(tmp_path):
     assert "resumed from step 10" in run(resumed, script, 20, "end")
     a, b = torch.load(straight / "end.rank0.pt"), torch.load(resumed / "end.rank0.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed run left the straight one"
+
+
+def test_a_save_called_on_rank_0_only_names_the_rank_that_never_came_as_the_hang(tmp_path):
+    """`if session.rank == 0: session.save(...)`: rank 0 waits in save()'s first collective for a rank that went on
+    training. It was a hang of rank 0 (then still in `train`, at the step of the save) with no word on why; the
+    rank that never came is now the one named, and the sentence says what save() needs."""
+    import re
+
+    from tests.runs import resilient, status
+
+    script = MISUSE.replace("    if session.should_save(step):",
+                            "    if session.should_save(step) and (mode != 'rank0_saves' or session.rank == 0):")
+    assert script != MISUSE
+    (tmp_path / "rank0.py").write_text(script)
+    job = tmp_path / "job.yaml"
+    job.write_text("name: rank0\nentrypoint: {script: rank0.py, args: [rank0_saves]}\nnproc_per_node: 2\n"
+                   "checkpoint: {interval_steps: 2}\nheartbeat: {timeout_s: 4, startup_timeout_s: 120}\n"
+                   "restart: {max_restarts: 0}\nstop_timeout_s: 5\n")
+    with started(resilient("run", job), tmp_path, log=tmp_path / "sup.log") as sup:
+        rc = sup.wait(120)
+        out = " ".join(sup.output().split())
+    assert rc == 1, out[-3000:]
+    # rank 1 is at the step-end agreement of step 3 (every step before the warm-up ends), or in its forward
+    assert re.search(r"hang — rank 1 made no progress for \d+s at step 2 (\(waiting for the others at the step-end "
+                     r"agreement\) )?and has not entered save\(2\), where rank 0 waits for it: save\(\) is "
+                     r"collective, call it on every rank at the same steps", out), out[-3000:]
+    doc = status(tmp_path / "runs" / "rank0")
+    assert doc["last_checkpoint_step"] is None, doc

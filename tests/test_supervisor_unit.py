@@ -383,6 +383,26 @@ def test_of_two_ranks_without_progress_the_one_not_waiting_at_the_step_end_agree
     assert hangs[1].describe().endswith("(waiting for the others at the step-end agreement)")
 
 
+def test_a_rank_that_has_not_entered_the_save_the_others_wait_in_is_named_with_why():
+    """`if rank == 0: session.save(...)`: rank 0 waits in save(4)'s first collective, rank 1 trains on (or waits at
+    the next agreement). Rank 0 was named, then still in `train`; rank 1 is, with what save() needs. An async save
+    in flight while the ranks train (saving_step set, phase `train`) is no such wait."""
+    w = RankWatch(launched_at=0.0, timeout_s=10, startup_timeout_s=100)
+    for t in range(1, 20):
+        w.observe({0: hb(0, phase="save", seq=t, step=4, saving_step=4),
+                   1: hb(1, phase="train", seq=t, step=4, in_sync=True)}, now=t)
+    hangs = w.hangs(19.5)
+    assert [(h.rank, h.kind, h.saving) for h in hangs] == [(1, NO_PROGRESS, (0,))]
+    assert hangs[0].describe() == ("rank 1 made no progress for 18s at step 4 (waiting for the others at the step-end "
+                                   "agreement) and has not entered save(4), where rank 0 waits for it: save() is "
+                                   "collective, call it on every rank at the same steps")
+    w = RankWatch(launched_at=0.0, timeout_s=10, startup_timeout_s=100)
+    for t in range(1, 20):
+        w.observe({r: hb(r, phase="train", seq=t, step=4, saving_step=4) for r in (0, 1)}, now=t)
+    assert [(h.rank, h.saving) for h in w.hangs(19.5)] == [(0, ()), (1, ())]
+    assert "save" not in w.hangs(19.5)[0].describe()
+
+
 def test_a_rank_that_never_beats_is_named_before_the_ones_that_wait_for_it():
     """Rank 1 hangs before its first heartbeat; rank 0 waits for it in the rendezvous, in `startup`. The supervisor
     (which now tells the watch how many ranks one node runs) names rank 1, not rank 0."""

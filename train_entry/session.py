@@ -567,6 +567,17 @@ class Session:
             self._warn(f"save({step}) with no session.beat() before it: call session.beat(step, loss) every step; "
                        "the supervisor sees progress, agrees stops and judges hangs through it (a rank that never "
                        "beats is judged hung only after heartbeat.startup_timeout_s)")
+        sync = bool(self.stop_requested) if sync is None else sync
+        # In `save` before the first collective: a rank that never calls save() (`if rank == 0: save()`) is then
+        # the one named for the hang, the others waiting for it in save(step).
+        self.beater.set_phase("save", now=sync)
+        self.beater.update(saving_step=step)
+        blocking = self._save(step, state, sync)
+        self.beater.update(saving_step=self.ckpt.in_flight)
+        self.beater.set_phase("train")
+        return blocking
+
+    def _save(self, step: int, state: TrainState, sync: bool) -> float | None:
         if not self._params_compared:
             self._params_compared = True
             self._compare_plain_params(state, step)
@@ -583,15 +594,10 @@ class Session:
             if self.ctx.is_main:
                 log.warning("stopping without a checkpoint of step %d: the grace period is too short", step)
             return None
-        sync = bool(self.stop_requested) if sync is None else sync
-        self.beater.set_phase("save", now=sync)
-        self.beater.update(saving_step=step)
         extra = {"samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen}
         blocking = self.ckpt.save(step, lambda: self._state_dict(state), sync=sync, extra=extra)
         self.last_saved_step = step
         self.beater.record_save(SaveRecord(step, time.time(), blocking))
-        self.beater.update(saving_step=self.ckpt.in_flight)
-        self.beater.set_phase("train")
         return blocking
 
     def _state_dict(self, state: TrainState) -> dict[str, Any]:
