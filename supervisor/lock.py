@@ -175,20 +175,26 @@ class RootClaim:
             return None  # none yet (a root made before owners were recorded, or a new one): this run's from now
         return doc if isinstance(doc, dict) else None
 
+    def _foreign_owner(self) -> str | None:
+        """Whose checkpoints the root holds when they are not this run's to resume from ("job 'beta'"), else None."""
+        recorded = self._recorded_owner() if self.owner is not None else None
+        if recorded is None or recorded == self.owner or not _holds_checkpoints(self.root):
+            return None
+        assert self.owner is not None
+        if recorded.get("job") != self.owner["job"]:
+            return f"job {recorded.get('job')!r}"
+        if self.node is not None and recorded.get("durable_root") != self.owner["durable_root"]:
+            return f"this job's run that copies them to {recorded.get('durable_root')}"
+        return None
+
     def refuse_if_foreign(self) -> None:
         """ConfigError when the root holds checkpoints that another job wrote (a local tier: for another durable
         root); creates nothing. An empty root, or one without a record (written before records were kept), is this
         run's to take."""
-        recorded = self._recorded_owner() if self.owner is not None else None
-        if recorded is None or recorded == self.owner or not _holds_checkpoints(self.root):
+        whose = self._foreign_owner()
+        if whose is None:
             return
         assert self.owner is not None
-        if recorded.get("job") != self.owner["job"]:
-            whose = f"job {recorded.get('job')!r}"
-        elif self.node is not None and recorded.get("durable_root") != self.owner["durable_root"]:
-            whose = f"this job's run that copies them to {recorded.get('durable_root')}"
-        else:
-            return
         example = f"/local_nvme/{self.owner['job']}/{{node}}" if self.node is not None else \
             f"/shared/ckpt/{self.owner['job']}"
         raise ConfigError(f"{self.root} holds checkpoints of {whose}, which this run would resume from as its own; "
@@ -199,16 +205,8 @@ class RootClaim:
         """RunLockedError naming the other live run that holds the root; creates nothing, so `resilient run` asks
         first, before it makes a new run dir that a refusal would leave behind (acquire asks again, ordered)."""
         self.refuse_if_foreign()
-        try:
-            others = sorted((self.root / OWNERS_DIR).glob("*.lock"))
-        except OSError:
-            return
-        for other in others:
-            if other.name in (self._name(), "claim.lock"):
-                continue
-            who = _held_by(other)
-            if who is None:
-                continue
+        who = self._other_holder()
+        if who is not None:
             by = f"supervisor pid {who.get('pid', '?')} on {who.get('host', '?')}"
             if self.node is not None and who.get("run_dir") == str(self.run_dir) and who.get("node"):
                 raise RunLockedError(
@@ -218,33 +216,55 @@ class RootClaim:
                 f"{self.root} is the checkpoint root of another live run ({who.get('run_dir', '?')}, {by}); two runs "
                 f"must not share one: give this job its own {self.key}, or stop the other run.")
 
-    def reassert(self) -> None:
+    def _other_holder(self) -> dict | None:
+        """What the live holder of another run's lock file in the root recorded ({} if unreadable), or None."""
+        try:
+            others = sorted((self.root / OWNERS_DIR).glob("*.lock"))
+        except OSError:
+            return None
+        for other in others:
+            if other.name not in (self._name(), "claim.lock") and (who := _held_by(other)) is not None:
+                return who
+        return None
+
+    def reassert(self) -> str | None:
         """Make the claim again if its files are gone while this run holds it: a local tier wiped mid-run (a
         cleaner, an operator) was made again by the ranks' next save with neither the record of whose checkpoints
         it holds nor this run's lock, so the next job given that folder took it and resumed from this one's
         weights without a word (audit 13). A lock file another node of the run made again is held again too (the
         old one, unlinked, blocks nobody). A few stat calls when nothing is gone; never raises (a filesystem that
-        errs now is asked again at the next call)."""
+        errs now is asked again at the next call).
+
+        Another run that took the wiped root in between keeps it: this run does not join it, and the sentence that
+        says so is returned for the console (it was joined without a word: two runs writing one root)."""
         if self._fd is None:
-            return
+            return None
         owners = self.root / OWNERS_DIR
         try:
             held, there = os.fstat(self._fd), os.stat(owners / self._name())
             if (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino) and \
                     (self.owner is None or (owners / OWNER_FILE).exists()):
-                return
+                return None
         except OSError:
             pass  # gone (or unreadable now): made again below, if the filesystem lets us
         with contextlib.suppress(OSError):
             mutex = self._open_mutex_raw()
             try:  # not waited for: a claim being taken (or a hung lock server) is tried again at the next call
                 fcntl.flock(mutex, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                who, whose = self._other_holder(), self._foreign_owner()
+                if who is not None or whose is not None:
+                    by = f"the live run {who.get('run_dir', '?')} (supervisor pid {who.get('pid', '?')} on " \
+                         f"{who.get('host', '?')})" if who is not None else whose
+                    return (f"{self.root} ({self.key}) was emptied while this run used it and is now held by {by}: "
+                            "both runs' checkpoints go there and either may resume from the other's; stop one of "
+                            f"them and give each its own {self.key}")
                 if self.owner is not None and self._recorded_owner() is None:
                     atomic_write_json(owners / OWNER_FILE, self.owner, durable=False)
                 old, self._fd = self._fd, self._hold(owners)
                 os.close(old)
             finally:
                 os.close(mutex)
+        return None
 
     def release(self) -> None:
         if self._fd is not None:

@@ -17,7 +17,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +55,10 @@ MAX_NOTES = 10  # rank 0's warnings kept for `status`: the newest
 class Supervisor:
     def __init__(self, cfg: JobConfig, layout: RunLayout, *, launcher: Launcher,
                  console: EventConsole | None = None, clock: Callable[[], float] = time.monotonic,
-                 keep_claims: Callable[[], None] = lambda: None):
+                 keep_claims: Callable[[], Iterable[str | None]] = lambda: ()):
         self.cfg, self.layout, self.launcher = cfg, layout, launcher
-        self.keep_claims = keep_claims  # the roots' claims made again if a root was wiped (each record write)
+        # the roots' claims made again if a root was wiped (each record write); a sentence for one another run took
+        self.keep_claims = keep_claims
         self._farewell: Callable[[dict[str, Any]], str] | None = None  # a finished run's last line, from its books
         self.console = console or EventConsole(cfg.name)
         self.clock = clock
@@ -355,12 +356,22 @@ class Supervisor:
     def _note(self, note: NoteRecord, rec: AttemptRecord) -> None:
         """A warning from rank 0 (a stateful object no longer declared, so restarted): on the console and in
         `status`, once per run however many attempts repeat it; the rank's log has it too."""
-        if any(n.get("text") == note.text for n in self.record.notes):
-            return
+        if self._add_note(rec.attempt, note.text):
+            self.console.event(f"attempt {rec.attempt}: rank 0 warns: {note.text}", style="yellow")
+            self.save_state()
+
+    def _warn_once(self, text: str) -> None:
+        """The supervisor's own warning, as rank 0's: on the console and in `status`, once (written with the record
+        being written now)."""
+        if self._add_note(self.record.attempt, text):
+            self.console.event(text, style="yellow")
+
+    def _add_note(self, attempt: int, text: str) -> bool:
+        if any(n.get("text") == text for n in self.record.notes):
+            return False
         del self.record.notes[:-(MAX_NOTES - 1)]
-        self.record.notes.append({"attempt": rec.attempt, "step": self.record.step, "text": note.text})
-        self.console.event(f"attempt {rec.attempt}: rank 0 warns: {note.text}", style="yellow")
-        self.save_state()
+        self.record.notes.append({"attempt": attempt, "step": self.record.step, "text": text})
+        return True
 
     def on_checkpoint(self, commit: CommitRecord, mine: bool) -> None:
         """A new valid checkpoint: announce it once; the node whose rank 0 committed it applies retention."""
@@ -578,9 +589,12 @@ class Supervisor:
         now = self.clock()
         if force or now - self._last_state_write >= STATE_EVERY_S:
             try:
-                self.keep_claims()
+                lost = [text for text in self.keep_claims() if text]
             except Exception as e:  # a claim is kept for the next run's sake: never a reason to end this one
+                lost = []
                 log.debug("could not check the roots' claims: %s", e)
+            for text in lost:
+                self._warn_once(text)
             summary = self.accounting.summary(time.time())
             self.record.goodput = summary["goodput"]
             if self.replicator is not None:

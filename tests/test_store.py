@@ -274,6 +274,34 @@ def test_a_local_tier_wiped_while_its_run_holds_it_is_claimed_again(tmp_path):
         other.refuse_if_taken()
 
 
+def test_a_wiped_root_another_run_took_meanwhile_is_not_joined_and_the_run_is_told(tmp_path):
+    """Wiped mid-run and taken by a new run within the second before this run looked: this run held it again beside
+    the other, without a word, and both wrote checkpoints there."""
+    import shutil
+
+    from supervisor.lock import OWNERS_DIR, RootClaim
+
+    root = tmp_path / "ckpt"
+    mine = RootClaim(root, tmp_path / "run-a", job="alpha").acquire()
+    try:
+        shutil.rmtree(root)
+        other = RootClaim(root, tmp_path / "run-b", job="beta").acquire()
+        try:
+            said = mine.reassert()
+            assert said is not None and said.startswith(f"{root} (checkpoint.dir) was emptied while this run used it "
+                                                        f"and is now held by the live run {tmp_path / 'run-b'} "
+                                                        f"(supervisor pid {os.getpid()} on ")
+            assert said.endswith("stop one of them and give each its own checkpoint.dir")
+            assert [p.name for p in (root / OWNERS_DIR).glob("*.lock") if p.name != "claim.lock"] == [other._name()]
+        finally:
+            other.release()
+        write_checkpoint(root, 10)  # the other run's, recorded as job beta's: still not this run's to take
+        said = mine.reassert()
+        assert said is not None and "is now held by job 'beta':" in said, said
+    finally:
+        mine.release()
+
+
 def test_a_wiped_durable_root_is_held_again_by_every_node_of_the_run(tmp_path):
     """Review 11: after node a made the run's claim file again, node b still held the unlinked old one; once a
     ended, nothing held the root for the live run, and another run could take it."""

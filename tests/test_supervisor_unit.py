@@ -1110,6 +1110,20 @@ def supervisor_over(tmp_path, keep: int, steps: tuple[int, ...]):
     return Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None, console=EventConsole("demo")), cfg
 
 
+def test_a_root_lost_to_another_run_is_said_once_on_the_console_and_in_status(tmp_path, capsys):
+    from supervisor.layout import RunLayout
+    from supervisor.supervise import Supervisor
+
+    _, cfg = supervisor_over(tmp_path, keep=2, steps=())
+    said = ["/ckpt (checkpoint.dir) was emptied while this run used it and is now held by job 'beta': ..."]
+    sup = Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None, keep_claims=lambda: [None, *said])
+    sup.save_state()
+    sup.save_state()
+    assert capsys.readouterr().err.count("is now held by job 'beta'") == 1
+    doc = json.loads((cfg.run_dir / "state.json").read_text())
+    assert [n["text"] for n in doc["notes"]] == said, doc["notes"]
+
+
 def test_retention_at_a_commit_judges_the_checkpoints_up_to_that_commit(tmp_path, capsys):
     """With fast steps step 125 was on disk when the supervisor read step 100's commit: "checkpoint step 100
     committed; removed step_000000050, step_000000075" read as if only step 100 was left (audit)."""
