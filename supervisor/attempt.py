@@ -39,7 +39,7 @@ from supervisor.protocol import (
     read_heartbeats,
 )
 from supervisor.state import AttemptRecord, RunRecord
-from supervisor.watch import NO_HEARTBEAT, SILENT, STALL_FLOOR_BEATS, STOP_IGNORED, Hang, RankWatch
+from supervisor.watch import NO_HEARTBEAT, SILENT, STALL_FLOOR_BEATS, STOP_IGNORED, Hang, RankWatch, verdict
 
 log = logging.getLogger("resilient")
 
@@ -258,14 +258,14 @@ class Attempt:
 
     def _hang(self, handle: AttemptHandle, hangs: list[Any], heartbeats: dict[int, Heartbeat]) -> AttemptOutcome:
         """A rank is hung: capture every rank's stacks and kernel state first, then stop the group."""
-        first = hangs[0]
-        self.console.event(f"attempt {self.spec.attempt}: hang — {first.describe()}; capturing stacks before "
-                           "stopping", style="red")
+        first, said = hangs[0], verdict(hangs)
+        self.console.event(f"attempt {self.spec.attempt}: hang — {said}; capturing stacks before stopping",
+                           style="red")
         detected = time.time()
         out = self._capture(handle, hangs, heartbeats)
         handle.stop(grace_s=HANG_STOP_GRACE_S)
         step = max((hb.step for hb in heartbeats.values()), default=None)
-        return AttemptOutcome(api.HANG, first.describe(), first.rank, None, step, str(out),
+        return AttemptOutcome(api.HANG, said, first.rank, None, step, str(out),
                               stalled=(detected - first.for_s, detected))
 
     def _no_group(self, handle: AttemptHandle, first: Hang) -> AttemptOutcome:

@@ -80,6 +80,17 @@ class Hang:
                 " for it: save() is collective, call it on every rank at the same steps")
 
 
+def verdict(hangs: list[Hang]) -> str:
+    """The first (likeliest) hang's sentence, and the other silent ranks: a node's ranks all stopped (a SIGSTOP of
+    the group, a frozen host) named only the first."""
+    also = [h.rank for h in hangs[1:] if h.kind == SILENT and h.rank is not None]
+    if not also:
+        return hangs[0].describe()
+    who = f"rank {also[0]}" if len(also) == 1 else "ranks " + ", ".join(map(str, also[:7])) + \
+        (f" and {len(also) - 7} more" if len(also) > 7 else "")
+    return f"{hangs[0].describe()}; {who} silent too"
+
+
 OBSERVE_GAP_S = 5.0  # looks this far apart: the supervisor did not look in between (its poll is 0.5 s)
 
 

@@ -403,6 +403,21 @@ def test_a_rank_that_has_not_entered_the_save_the_others_wait_in_is_named_with_w
     assert "save" not in w.hangs(19.5)[0].describe()
 
 
+def test_every_silent_rank_is_named_not_only_the_first():
+    """Both ranks of a node stopped (SIGSTOP of the group, a frozen host): the verdict named rank 0 alone."""
+    from supervisor.watch import verdict
+
+    w = RankWatch(launched_at=0.0, timeout_s=10, startup_timeout_s=100)
+    w.observe({r: hb(r, phase="train", seq=1, step=7) for r in range(3)}, now=1)
+    for now in (2, 12.5):  # rank 2 beat once more, then stopped too
+        w.observe({0: hb(0, phase="train", seq=1, step=7), 1: hb(1, phase="train", seq=1, step=7),
+                   2: hb(2, phase="train", seq=2, step=7)}, now=now)
+    hangs = w.hangs(12.5)
+    assert verdict(hangs) == "rank 0 silent for 12s in phase train at step 7; ranks 1, 2 silent too"
+    assert verdict(hangs[1:]) == "rank 1 silent for 12s in phase train at step 7; rank 2 silent too"
+    assert verdict(hangs[:1]) == hangs[0].describe()
+
+
 def test_a_rank_that_never_beats_is_named_before_the_ones_that_wait_for_it():
     """Rank 1 hangs before its first heartbeat; rank 0 waits for it in the rendezvous, in `startup`. The supervisor
     (which now tells the watch how many ranks one node runs) names rank 1, not rank 0."""
