@@ -22,18 +22,18 @@ import yaml
 from supervisor.errors import ConfigError
 from supervisor.layout import CHECKPOINTS_DIR, inside
 
-NAME_RE = re.compile(r"^(?!\.+$)[A-Za-z0-9._-]{1,100}$")  # a file name (not . or ..) and a rendezvous id
+NAME_RE = re.compile(r"^(?!\.+\Z)[A-Za-z0-9._-]{1,100}\Z")  # a file name (not . or ..) and a rendezvous id
 MAX_DURATION_S = 1e9  # ~32 years, "never" in practice; beyond it what takes a timeout overflows (Event.wait, C++ ms)
 NAME_MAX_BYTES = 255  # one folder or file name, on every Linux filesystem
 PATH_MAX_BYTES = 4096  # a whole path, as Linux takes it
 MAX_NPROC = 4096  # ranks per node: a typo of 80000 for 8 would have torchrun fork them
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 # A host name (labels of 1 to 63 characters: `node0..cluster` failed to encode, in a traceback), an IPv4 or an
 # IPv6 address.
 HOST_RE = re.compile(r"^(?=.{1,253}$)(?:[A-Za-z0-9_-]{1,63}(?:\.[A-Za-z0-9_-]{1,63})*\.?"
                      r"|[A-Fa-f0-9.:]*:[A-Fa-f0-9.:]*)$")
-MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-NNODES_RANGE_RE = re.compile(r"^(\d+):(\d+)$")
+MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+NNODES_RANGE_RE = re.compile(r"^(\d+):(\d+)\Z")
 # A number as YAML 1.1 leaves it text (1e9, no dot), and an optional unit.
 DURATION_RE = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(ms|s|m|min|h)?\s*$")
 DURATION_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
@@ -272,7 +272,7 @@ def _locate(node: yaml.Node, path: str, constructor: yaml.constructor.SafeConstr
     return _Loc(value, where)
 
 
-OCTAL_RE = re.compile(r"^[-+]?0[0-7_]+$")  # YAML 1.1's octal integers: 010 is 8
+OCTAL_RE = re.compile(r"^[-+]?0[0-7_]+\Z")  # YAML 1.1's octal integers: 010 is 8
 
 
 def _yaml11_surprise(text: str, tag: str, value: Any) -> str | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from supervisor.layout import LOGS_DIR, NODES_DIR, inside
 from supervisor.protocol import Heartbeat
 
-LINK_RE = re.compile(r"^rank_(\d+)$")
+LINK_RE = re.compile(r"^rank_(\d+)\Z")
 STREAMS = ("stdout", "stderr")
 RANKS_DIR = "ranks"  # torchrun's --log-dir inside an attempt's logs
 
@@ -94,7 +94,7 @@ def attempts(node_dir: Path) -> list[int]:
     out = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(node_dir / LOGS_DIR):
-            m = re.match(r"^attempt_(\d+)$", entry.name)
+            m = re.match(r"^attempt_(\d+)\Z", entry.name)
             if m and entry.is_dir():
                 out.append(int(m.group(1)))
     return sorted(out)

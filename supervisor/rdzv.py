@@ -25,7 +25,7 @@ import psutil
 from supervisor import prewarm
 from supervisor.layout import RDZV_DIR
 
-GEN_RE = re.compile(r"^gen_(\d+)$")
+GEN_RE = re.compile(r"^gen_(\d+)\Z")
 
 
 class Generations:

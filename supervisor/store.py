@@ -61,10 +61,10 @@ PARTIAL_SUFFIX = ".partial"
 TRASH_PREFIX = ".trash."
 SPARE_DIR = ".spare"  # in a local tier: data files of deleted checkpoints, for the next saves to write over
 DATA_SUFFIX = "_0.distcp"  # a rank's data file (its tensors), the one file of a save worth writing over
-STEP_RE = re.compile(r"^step_([0-9]{9})$")
-PARTIAL_RE = re.compile(r"^step_([0-9]{9})\.partial$")
+STEP_RE = re.compile(r"^step_([0-9]{9})\Z")  # \Z: "$" also matches before a final newline
+PARTIAL_RE = re.compile(r"^step_([0-9]{9})\.partial\Z")
 QUARANTINE_SUFFIX = ".quarantined"
-QUARANTINE_RE = re.compile(r"^step_([0-9]{9})\.quarantined(?:\.([0-9]+))?$")
+QUARANTINE_RE = re.compile(r"^step_([0-9]{9})\.quarantined(?:\.([0-9]+))?\Z")
 QUARANTINE_FILE = "QUARANTINE.json"
 # Files this small are checksummed by every check, not only a deep one: reading them costs nothing, and
 # DCP's .metadata (a few KB to MB) is read first by every load, so one flipped byte there fails every rank.
@@ -72,7 +72,7 @@ SMALL_FILE_BYTES = 1 << 20
 # Files that a file browser or a network filesystem leaves in any folder it touches (macOS's .DS_Store and ._
 # AppleDouble files, NFS's .nfsXXXX silly renames, Windows' Thumbs.db): beside a committed checkpoint they say
 # nothing of its bytes, and counting them as unlisted set whole checkpoints aside (audit). Never DCP's names.
-OS_LITTER = re.compile(r"^(\.DS_Store|\._.+|\.nfs[0-9A-Fa-f]+|Thumbs\.db)$")
+OS_LITTER = re.compile(r"^(\.DS_Store|\._.+|\.nfs[0-9A-Fa-f]+|Thumbs\.db)\Z")
 CHECKSUM_ALGORITHM = "xxh3_128"  # fastest measured here: bench/checksums.py
 CHUNK = 8 << 20
 
@@ -790,7 +790,8 @@ def aside_path(folder: Path) -> Path:
     return folder.parent / f"{TRASH_PREFIX}{folder.name}.{time.time_ns()}"
 
 
-TRASH_RE = re.compile(r"^\.trash\..+\.[0-9]{10,}$")  # aside_path's names: a folder named so by someone else is theirs
+# aside_path's names, of the checkpoint folders it is given: a folder named otherwise by someone else is theirs
+TRASH_RE = re.compile(r"^\.trash\.step_[0-9]{9}(?:\.partial|\.quarantined(?:\.[0-9]+)?)?\.[0-9]{10,}\Z")
 
 
 def trash_dirs(root: str | os.PathLike) -> list[Path]:

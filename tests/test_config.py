@@ -259,6 +259,9 @@ BAD = {
     "--set with an octal-looking count": (GOOD, "checkpoint.keep=010", None, ["--set checkpoint.keep=010: YAML 1.1"]),
     "--set that refers to itself": (GOOD, "name=&a [*a]", None, ["--set name=&a [*a]: the value refers to itself"]),
     "--set with a date that is no date": (GOOD, "name=2024-13-45", None, ["YAML cannot read it; quote it"]),
+    # Review 13: "$" matched before a final newline, so a block scalar's name made a run dir with a newline in it
+    "a name that ends in a newline": ("name: |\n  x\nentrypoint: {module: m}\n", None, 1,
+                                      ["1 to 100 letters, digits, '.', '_' or '-'"]),
 }
 
 

@@ -327,11 +327,19 @@ def test_gc_removes_the_folders_a_commit_moved_aside_and_no_folder_of_the_users_
         write_checkpoint(root, step)
     aside = store.aside_path(write_checkpoint(root, 10))
     os.rename(root / store.step_dirname(10), aside)
-    (root / ".trash.keepme").mkdir()
-    (root / ".trash.keepme" / "important.txt").write_text("mine")
+    mine = [".trash.keepme", ".trash.keepme.1795831930123456789"]  # the second: "aside_path's form", not its names
+    for name in mine:
+        (root / name).mkdir()
+        (root / name / "important.txt").write_text("mine")
+    # Review 13: "$" matched before a final newline, so this was a second step 20 (and the real one went at keep 1).
+    (root / "step_000000020\n").mkdir()
     r = cli("gc", root, "--keep", "2")
     assert r.exit_code == 0 and f"removed {aside.name}" in r.stdout, r.output
-    assert not aside.exists() and (root / ".trash.keepme" / "important.txt").read_text() == "mine"
+    assert not aside.exists() and all((root / name / "important.txt").read_text() == "mine" for name in mine)
+    assert [i.step for i in store.scan(root)] == [20, 40] and (root / "step_000000020\n").is_dir()
+    r = cli("gc", root, "--keep", "1")
+    assert r.exit_code == 0 and (root / "step_000000020\n").is_dir(), r.output
+    assert [i.step for i in store.scan(root)] == [40]
 
 
 def test_gc_where_no_checkpoint_is_valid_removes_abandoned_partials_only(tmp_path, cli):

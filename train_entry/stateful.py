@@ -46,8 +46,8 @@ from typing import Any, ClassVar
 import torch
 
 RESHARD_HOOK = "reshard_state_dict"
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")  # no dots: names are parts of checkpoint keys
-_PER_RANK_KEY = re.compile(r"^per_rank\.(?P<name>[^.]+)\.rank(?P<rank>\d+)$")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*\Z")  # no dots: names are parts of checkpoint keys
+_PER_RANK_KEY = re.compile(r"^per_rank\.(?P<name>[^.]+)\.rank(?P<rank>\d+)\Z")
 
 
 class Misuse(Exception):
