@@ -482,6 +482,9 @@ class Replicator:
             if step < max(self._durable_valid(), default=-1):
                 return False  # superseded while queued: a newer step is durable (this partial may be retention's)
             partial.mkdir(exist_ok=True)
+            if not store.real_folder(partial):  # review 13: copied into a link's folder, whose files were then unlinked
+                raise OSError(errno.ENOTDIR, "a link or a file, not a folder: resilient copies and deletes nothing "
+                              "through it (remove it)", str(partial))
             live = os.open(partial / store.WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(live, fcntl.LOCK_SH)  # gc and retention: a writer is at work here

@@ -822,7 +822,7 @@ def keep_spare(folder: Path, root: Path, limit_bytes: int) -> int:
             continue
         with contextlib.suppress(FileExistsError):
             pool.mkdir()
-        if not _real_folder(pool):
+        if not real_folder(pool):
             return kept
         try:
             os.rename(e.path, pool / f"{e.name}.{uuid.uuid4().hex}")
@@ -833,7 +833,8 @@ def keep_spare(folder: Path, root: Path, limit_bytes: int) -> int:
     return kept
 
 
-def _real_folder(path: Path) -> bool:
+def real_folder(path: Path) -> bool:
+    """Whether `path` is a folder itself, not a link to one (whose files are someone else's)."""
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
@@ -842,7 +843,7 @@ def _real_folder(path: Path) -> bool:
 
 def _spares(pool: Path) -> list[os.DirEntry[str]]:
     """The pool's plain files; none when the pool is missing or not a real folder."""
-    if not _real_folder(pool):
+    if not real_folder(pool):
         return []
     try:
         return [e for e in os.scandir(pool) if e.is_file(follow_symlinks=False)]
@@ -877,7 +878,7 @@ def claim_spare(root: Path, dest: Path) -> bool:
 def drop_spares(root: Path) -> None:
     """Delete `root`'s spare pool (the run is over). A link named like the pool is removed, never followed."""
     pool = root / SPARE_DIR
-    if _real_folder(pool):
+    if real_folder(pool):
         shutil.rmtree(pool, ignore_errors=True)
     elif pool.is_symlink():
         pool.unlink(missing_ok=True)

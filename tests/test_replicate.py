@@ -125,6 +125,26 @@ def test_an_unwritable_durable_tier_is_retried_and_reported_and_local_copies_are
     assert r.state.superseded == 0  # nor counted, at the end, as superseded
 
 
+def test_a_link_where_the_durable_partial_goes_is_not_copied_through_and_its_folder_is_left_alone(tmp_path):
+    """Review 13: the copy went into the folder the link led to, and the publish's clean-up unlinked the user's files
+    there. The tier reports the failure instead, naming the link; nothing is written through it."""
+    mine = tmp_path / "users_own_folder"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("mine")
+    (tmp_path / "durable").mkdir()
+    (tmp_path / "durable" / store.partial_dirname(10)).symlink_to(mine)
+    local_checkpoint(tmp_path / "local-a", 10, "a", {"a": [0, 1]})
+    r = replicator(tmp_path, "a")
+    r.start()
+    try:
+        assert not r.drain(3.0)
+        assert "a link or a file, not a folder" in (r.snapshot()["last_error"] or ""), r.snapshot()
+    finally:
+        r.stop()
+    assert sorted(p.name for p in mine.iterdir()) == ["thesis.tex"]
+    assert not (tmp_path / "durable" / store.step_dirname(10)).exists()
+
+
 def test_a_restarted_supervisor_goes_on_timing_the_outage_it_inherited_and_says_it_again(tmp_path):
     """The outage clock began anew with each supervisor: one restarted every hour never reached a limit of an hour,
     and the local tier (uncopied checkpoints kept) filled. A copy that works still ends the outage."""
