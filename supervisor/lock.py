@@ -218,14 +218,7 @@ class RootClaim:
 
     def _other_holder(self) -> dict | None:
         """What the live holder of another run's lock file in the root recorded ({} if unreadable), or None."""
-        try:
-            others = sorted((self.root / OWNERS_DIR).glob("*.lock"))
-        except OSError:
-            return None
-        for other in others:
-            if other.name not in (self._name(), "claim.lock") and (who := _held_by(other)) is not None:
-                return who
-        return None
+        return live_holder(self.root, but=self._name())
 
     def reassert(self) -> str | None:
         """Make the claim again if its files are gone while this run holds it: a local tier wiped mid-run (a
@@ -276,6 +269,19 @@ class RootClaim:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def live_holder(root: str | os.PathLike, but: str | None = None) -> dict | None:
+    """What the supervisor holding a run's claim on checkpoint root `root` recorded (run_dir, pid, host, node; {}
+    if unreadable), or None when no live supervisor holds one (`but`: a lock file of the caller's own, not asked)."""
+    try:
+        held = sorted((Path(root) / OWNERS_DIR).glob("*.lock"))
+    except OSError:
+        return None
+    for path in held:
+        if path.name not in (but, "claim.lock") and (who := _held_by(path)) is not None:
+            return who
+    return None
 
 
 def _held_by(path: Path) -> dict | None:

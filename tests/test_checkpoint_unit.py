@@ -462,3 +462,23 @@ def test_a_collection_pause_ends_after_its_limit_even_while_a_save_still_holds_i
         assert lifter is not None and lifter.is_alive()
     lifter.join(5)
     assert gc.isenabled() and not lifter.is_alive() and checkpoint._lifter is None
+
+
+def test_a_handed_over_step_that_is_gone_is_no_fresh_start_while_a_valid_checkpoint_is_there(tmp_path, caplog):
+    """Review 13: a rollback's older step deleted before the ranks read it (by a gc that could not see the run) left
+    nothing valid below it, and the ranks started from step 0 over the newer checkpoints. Below it first, then newer;
+    a fresh start only where nothing is valid."""
+    from types import SimpleNamespace
+
+    from tests.ckpt_helpers import write_checkpoint
+    from train_entry.session import Session
+
+    root = tmp_path / "ckpt"
+    for step in (10, 30):
+        write_checkpoint(root, step)
+    me = SimpleNamespace(ckpt=SimpleNamespace(durable_root=root))
+    assert Session._decide(me, [(True, 20, None)]) == 10  # below the one handed over, as before
+    assert Session._decide(me, [(True, 5, None)]) == 30  # nothing below: the newest, not a fresh start
+    assert "handed-over step 5 is not valid here (missing); using 30" in caplog.text
+    assert Session._decide(SimpleNamespace(ckpt=SimpleNamespace(durable_root=tmp_path / "none")),
+                           [(True, 5, None)]) is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -318,6 +319,30 @@ def test_saving_a_step_again_sets_an_unreadable_folder_of_that_step_aside_instea
     assert [(q["step"], q["path"]) for q in json.loads(r.stdout)["quarantined"]] == [(200, aside.name)], r.stdout
     r = cli("status", tmp_path)
     assert f"set aside step 200 as {aside.name}: an unreadable step_000000200" in r.stdout, r.stdout
+
+
+def test_gc_of_a_root_named_by_itself_that_a_live_run_holds_is_refused_and_deletes_nothing(tmp_path, cli):
+    """Review 13: named by its root (as an outside root is), a live run's was judged as a dead one's: the older step a
+    rollback had handed its ranks went, and they started afresh. Through the run dir gc knows that step; once the run
+    has ended the root is gc's."""
+    from supervisor.lock import RootClaim
+
+    root = tmp_path / "shared" / "ckpt"
+    for step in (10, 20, 30):
+        write_checkpoint(root, step)
+    claim = RootClaim(root, tmp_path / "run", job="demo").acquire()  # what the run's supervisor holds
+    try:
+        r = cli("gc", root, "--keep", "1")
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert r.stderr.strip() == (f"resilient: {root} is the checkpoint root of the live run {tmp_path / 'run'} "
+                                    f"(supervisor pid {os.getpid()} on {socket.gethostname()}); nothing was removed. "
+                                    "gc it through that run dir, `resilient gc RUN_DIR --keep N`, which knows the "
+                                    "step its ranks are loading, or once the run has ended."), r.stderr
+        assert [i.step for i in store.scan(root)] == [10, 20, 30]
+    finally:
+        claim.release()
+    r = cli("gc", root, "--keep", "1")
+    assert r.exit_code == 0 and [i.step for i in store.scan(root)] == [30], r.output
 
 
 def test_gc_removes_the_folders_a_commit_moved_aside_and_no_folder_of_the_users_named_alike(tmp_path, cli):

@@ -242,7 +242,9 @@ class Session:
         info = store.inspect(path) if path.is_dir() else None
         if info is not None and info.valid:
             return want
-        fallback = store.latest_valid(root, below=want)
+        # Below it first (it may be a rollback's target); then a newer one: a fresh start while valid checkpoints
+        # exist would train from step 0 over them (review 13: a rollback's step deleted before the ranks read it).
+        fallback = store.latest_valid(root, below=want) or store.latest_valid(root)
         log.warning("handed-over step %d is not valid here (%s); using %s", want,
                     info.reason if info else "missing", fallback.step if fallback else "a fresh start")
         return fallback.step if fallback else None
