@@ -528,8 +528,8 @@ def publish(partial: Path, step: int, world_size: int, records: Sequence[FileRec
     manifest = Manifest(step=step, world_size=world_size, created_at=time.time(),
                         files=tuple(sorted(records, key=lambda r: r.name)),
                         checksum_algorithm=algorithm, writer=writer_versions(), extra=extra or {})
-    for name in RESERVED:
-        entry = partial / name
+    for name in RESERVED - {WRITER_LOCK}:  # the writer's lock stays held through the rename (review 13: gc or
+        entry = partial / name  # retention judged a partial without one abandoned and deleted a save being committed)
         if entry.is_dir():
             shutil.rmtree(entry)
         elif entry.exists():
@@ -552,6 +552,8 @@ def publish(partial: Path, step: int, world_size: int, records: Sequence[FileRec
     else:
         os.rename(partial, final)
         fsync_dir(root)
+    with contextlib.suppress(FileNotFoundError):  # committed: no longer a save in progress (a crash before this
+        os.unlink(final / WRITER_LOCK)  # leaves it, which inspect passes over)
     return final
 
 
@@ -701,7 +703,7 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
             return result(Status.CORRUPT, f"{f.name} is {st.st_size} bytes, manifest says {f.size} ({how})",
                           manifest)
     unlisted = sorted(n for n in set(entries) - listed - {MARKER}
-                      if not (OS_LITTER.match(n) and stat.S_ISREG(entries[n].st_mode)))
+                      if not ((OS_LITTER.match(n) or n == WRITER_LOCK) and stat.S_ISREG(entries[n].st_mode)))
     if unlisted:
         return result(Status.CORRUPT, f"unlisted file {unlisted[0]}" +
                       (f" and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""), manifest)

@@ -568,3 +568,36 @@ def test_a_data_file_without_its_table_of_checksums_says_so(tmp_path):
                       (b'"xxh3_128"', b'"xxh3_129"')):  # the same length: only the field is damaged
         with pytest.raises(store.PieceMismatch, match=r"its table of checksums does not parse .*the file was damaged"):
             table_of(b"data" + whole.replace(good, bad))
+
+
+@pytest.mark.parametrize("owner_alive", [False, True])
+def test_a_save_being_committed_is_held_by_its_writer_until_it_is_a_checkpoint(tmp_path, monkeypatch, owner_alive):
+    """Review 13: publish unlinked the writer's lock before it wrote the marker and renamed the folder; retention in
+    that window (a gc with no live owner, or a live owner's save below a newer valid step after a rollback) took the
+    partial for an abandoned one and deleted it: the save was lost and rank 0 failed. A crash just after the commit
+    leaves the lock file in the checkpoint, which stays valid."""
+    from supervisor import retention
+
+    root = tmp_path / "ckpt"
+    write_checkpoint(root, 10)
+    if owner_alive:
+        write_checkpoint(root, 100)  # an abandoned timeline's newer step
+    p = store.begin(root, 20)
+    (p.path / "__0_0.distcp").write_bytes(b"y" * 100)
+    records = store.describe_files(p.path, ["__0_0.distcp"])
+    real, seen = store.atomic_write_bytes, {}
+
+    def gc_in_the_window(path, data, **kw):
+        if path.name == store.MARKER and not seen:
+            seen["alive"] = store.writer_alive(path.parent)
+            plan = retention.plan(root, store.scan(root), keep=5, owner_alive=owner_alive)
+            seen["removed"] = [r.path.name for r in plan.remove]
+            retention.apply(plan)
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(store, "atomic_write_bytes", gc_in_the_window)
+    final = p.commit(1, records)
+    assert seen == {"alive": os.getpid(), "removed": []}
+    assert store.inspect(final).valid and not (final / store.WRITER_LOCK).exists()
+    (final / store.WRITER_LOCK).write_text("{}")  # as a crash between the rename and the lock file's removal
+    assert store.inspect(final, deep=True).valid
