@@ -31,6 +31,27 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap the two names atomically (Linux renameat2 RENAME_EXCHANGE), True if done; False where the kernel, the C
+    library or the filesystem cannot (NFS, older kernels): the caller renames in two steps then."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_cwd = -100
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(a), None, os.fspath(b))
+
+
 def _new_temp(path: Path, mode: int) -> tuple[int, Path]:
     """A new temp file beside `path`, created with `mode` as open() creates files: the kernel applies the umask
     and a folder's default ACL (mkstemp's 0600 made a checkpoint's marker unreadable to another account, an

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import __version__
-from supervisor.fsutil import atomic_write_bytes, fsync_dir, open_regular, parse_json, read_regular
+from supervisor.fsutil import atomic_write_bytes, exchange, fsync_dir, open_regular, parse_json, read_regular
 
 FORMAT = "resilient-checkpoint"
 SCHEMA_VERSION = 1
@@ -542,12 +542,18 @@ def publish(partial: Path, step: int, world_size: int, records: Sequence[FileRec
         # Nothing is known about its bytes, and such a folder is never deleted: set aside, kept for its owner.
         quarantine(final, f"an unreadable step_{step:09d} found when this step was saved again")
     if final.exists():
-        # An older attempt's folder for the same step (invalid, or superseded after a rollback):
-        # move it aside first so the rename below is atomic, then drop it.
-        trash = aside_path(final)
-        os.rename(final, trash)
-        os.rename(partial, final)
-        fsync_dir(root)
+        # An older attempt's folder for the same step (invalid, or superseded after a rollback): swapped with this
+        # one in one step where the filesystem can (review 13: a crash between two renames left neither as step_N,
+        # and both went as partials), else moved aside first so that the rename is atomic; dropped after.
+        if exchange(partial, final):
+            fsync_dir(root)
+            trash = aside_path(final)
+            os.rename(partial, trash)  # the older one, now under the partial's name
+        else:
+            trash = aside_path(final)
+            os.rename(final, trash)
+            os.rename(partial, final)
+            fsync_dir(root)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(partial, final)

@@ -70,6 +70,36 @@ def test_commit_replaces_an_older_folder_of_the_same_step(tmp_path):
     assert store.trash_dirs(tmp_path) == []
 
 
+def test_a_step_saved_again_is_swapped_in_whole_so_a_crash_leaves_one_of_them_as_the_step(tmp_path, monkeypatch):
+    """Review 13: the older folder was renamed aside, then the new one into place; a crash between the two left no
+    step_N, and both were deleted later as partials. The two now swap in one rename (renameat2 on this machine's
+    filesystems); a crash right after it leaves the new save as the step."""
+    from supervisor import fsutil
+
+    write_checkpoint(tmp_path, 20)
+    old_metadata = (tmp_path / store.step_dirname(20) / ".metadata").read_bytes()
+    partial = write_checkpoint(tmp_path, 20, commit=False, close=False)
+    (partial.path / ".metadata").write_bytes(b"the new save")
+    records = store.describe_files(partial.path, ["__0_0.distcp", "__1_0.distcp", ".metadata"])
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").write_text("y")
+    assert fsutil.exchange(tmp_path / "x", tmp_path / "y") and (tmp_path / "x").read_text() == "y"  # here it swaps
+    real_rename = os.rename
+
+    def crash_after_the_swap(a, b):
+        raise KeyboardInterrupt("killed")  # the first rename after the swap: the old folder aside
+
+    monkeypatch.setattr(store.os, "rename", crash_after_the_swap)
+    with pytest.raises(KeyboardInterrupt):
+        partial.commit(2, records)
+    monkeypatch.setattr(store.os, "rename", real_rename)
+    now = store.inspect(tmp_path / store.step_dirname(20), deep=True)
+    assert now.valid and (now.path / ".metadata").read_bytes() == b"the new save", now.reason
+    left = store.inspect(tmp_path / store.partial_dirname(20))
+    assert left.partial and not left.valid and (left.path / ".metadata").read_bytes() == old_metadata
+    assert [i.step for i in store.scan(tmp_path) if i.valid] == [20]
+
+
 def test_begin_removes_a_dead_writers_partial_but_not_a_live_one(tmp_path):
     live = write_checkpoint(tmp_path, 30, commit=False, close=False)
     assert store.writer_alive(live.path) == os.getpid()
