@@ -74,7 +74,7 @@ def split_unreplicated(plan: retention.Plan, infos: list[store.CheckpointInfo],
 
 class LocalSaveReplaced(Exception):
     """The local checkpoint being copied was saved again meanwhile (the ranks went back and reached its step
-    again): the copy starts over with the new save. No failure of the durable tier."""
+    again), or removed: the copy starts over with the new save, if any. No failure of the durable tier."""
 
 
 class LocalCopyDamaged(ValueError):
@@ -564,7 +564,12 @@ class Replicator:
         buf = self._buffer
         out = HashedFile(tmp, store.hasher(algorithm), direct=True)  # the durable write, around the page cache
         try:
-            with open(src, "rb", buffering=0) as fin:
+            try:
+                fin = open(src, "rb", buffering=0)  # noqa: SIM115 (closed by the with below)
+            except FileNotFoundError as e:  # review 13: a local fault, which started the durable tier's outage clock
+                raise LocalSaveReplaced(f"local {src.parent.name} was removed or saved again while it was "
+                                        "copied") from e
+            with fin:
                 while n := fin.readinto(buf):  # the one copy on this node's CPU: out of the local tier
                     out.write(buf[:n], aligned=True)
             digest = out.close()

@@ -145,6 +145,26 @@ def test_a_link_where_the_durable_partial_goes_is_not_copied_through_and_its_fol
     assert not (tmp_path / "durable" / store.step_dirname(10)).exists()
 
 
+def test_a_local_step_removed_while_it_is_copied_is_no_failure_of_the_durable_tier(tmp_path, monkeypatch):
+    """Review 13: the local file gone at its open() was counted as a durable-tier failure, which starts the outage
+    clock that lets local retention delete uncopied steps."""
+    from supervisor import replicate
+
+    local = local_checkpoint(tmp_path / "local-a", 10, "a", {"a": [0, 1]})
+    real = replicate.page_aligned_buffer
+
+    def wiped_first(nbytes):  # just before the first file is read: the node's tier wiped (a replaced node)
+        shutil.rmtree(local)
+        return real(nbytes)
+
+    monkeypatch.setattr(replicate, "page_aligned_buffer", wiped_first)
+    r = replicator(tmp_path, "a")
+    assert drained(r, 10)
+    assert r.state.failing_since is None and r.state.last_error is None, r.snapshot()
+    assert not (tmp_path / "durable" / store.step_dirname(10)).exists()
+    assert not (tmp_path / "durable" / store.partial_dirname(10)).exists()  # its room given back
+
+
 def test_a_restarted_supervisor_goes_on_timing_the_outage_it_inherited_and_says_it_again(tmp_path):
     """The outage clock began anew with each supervisor: one restarted every hour never reached a limit of an hour,
     and the local tier (uncopied checkpoints kept) filled. A copy that works still ends the outage."""
