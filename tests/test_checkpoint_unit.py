@@ -482,3 +482,26 @@ def test_a_handed_over_step_that_is_gone_is_no_fresh_start_while_a_valid_checkpo
     assert "handed-over step 5 is not valid here (missing); using 30" in caplog.text
     assert Session._decide(SimpleNamespace(ckpt=SimpleNamespace(durable_root=tmp_path / "none")),
                            [(True, 5, None)]) is None
+
+
+def test_a_durable_copy_published_after_the_launch_of_a_save_from_before_it_is_not_this_attempts(tmp_path):
+    """Review 13: after a rollback the replicator went on copying the local step rolled back past; its durable copy,
+    published after the relaunch, counted as "committed by this attempt after its launch" and the ranks resumed from
+    the state the rollback discarded. A copy is dated by its local save (`saved_at`); a save of this attempt wins."""
+    import time
+    from types import SimpleNamespace
+
+    from supervisor import store
+    from tests.ckpt_helpers import write_checkpoint
+    from train_entry.session import Session
+
+    root = tmp_path / "ckpt"
+    write_checkpoint(root, 10)
+    launched = time.time()
+    partial = write_checkpoint(root, 40, commit=False, close=False)  # the durable copy of a save from before
+    records = store.describe_files(partial.path, ["__0_0.distcp", "__1_0.distcp", ".metadata"])
+    partial.commit(2, records, extra={"tier": "durable", "saved_at": launched - 60})
+    me = SimpleNamespace(ckpt=SimpleNamespace(durable_root=root))
+    assert Session._decide(me, [(True, 10, launched)]) == 10
+    write_checkpoint(root, 20)  # saved by this attempt (an earlier worker group of it) after the launch
+    assert Session._decide(me, [(True, 10, launched)]) == 20

@@ -229,7 +229,10 @@ class Session:
         if launched is not None and root.is_dir():
             for path in reversed(store.checkpoint_dirs(root)):
                 info = store.inspect(path)
-                if info.valid and info.created_at is not None and info.created_at > launched:
+                # when it was saved: a durable copy's created_at is its publish (review 13: the replicator still
+                # copying a step a rollback passed over made it "committed by this attempt", and it came back)
+                saved = store.saved_time(info.created_at, info.manifest.extra) if info.manifest else None
+                if info.valid and saved is not None and saved > launched:
                     newer = info
                     break
         if newer is not None and (not handed or newer.step > handed[0]):
