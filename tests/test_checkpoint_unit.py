@@ -505,3 +505,27 @@ def test_a_durable_copy_published_after_the_launch_of_a_save_from_before_it_is_n
     assert Session._decide(me, [(True, 10, launched)]) == 10
     write_checkpoint(root, 20)  # saved by this attempt (an earlier worker group of it) after the launch
     assert Session._decide(me, [(True, 10, launched)]) == 20
+
+
+def test_a_small_file_another_node_sends_for_the_local_tier_must_be_the_bytes_its_rank_wrote(tmp_path):
+    """Review 13: the bytes, read back from the sender's disk, were checksummed only as received: a bad read-back
+    made a local checkpoint that holds other bytes than the rank wrote, and valid by its own manifest."""
+    from types import SimpleNamespace
+
+    from supervisor import store
+    from train_entry.checkpoint import Checkpointer
+
+    def record(name: str, data: bytes) -> store.FileRecord:
+        h = store.hasher()
+        h.update(data)
+        return store.FileRecord(name, len(data), h.hexdigest())
+
+    me = SimpleNamespace(local=True, node="a")
+    wrote = b"rank 1's small file"
+    sent = [("a", 0, [record("__0_0.distcp", b"x")], {}),
+            ("b", 1, [record("__1_0.distcp", b"y"), record("__1_1.distcp", wrote)], {"__1_1.distcp": wrote})]
+    records, extra = Checkpointer._folder_records(me, tmp_path, sent, {})
+    assert [r.name for r in records] == ["__0_0.distcp", "__1_1.distcp"] and extra["ranks"] == {"a": [0], "b": [1]}
+    bad = [sent[0], ("b", 1, sent[1][2], {"__1_1.distcp": b"rank 1's small fiLe"})]
+    with pytest.raises(RuntimeError, match=r"rank 1's __1_1\.distcp read back from its disk differs"):
+        Checkpointer._folder_records(me, tmp_path, bad, {})

@@ -234,12 +234,17 @@ class Checkpointer:
         if not self.local:
             return [r for _, _, recs, _ in everyone for r in recs], extra
         records = []
-        for node, _rank, recs, shared in everyone:
+        for node, rank, recs, shared in everyone:
             if node == self.node:
                 records += recs
                 continue
+            sent = {r.name: r for r in recs}
             for name, data in shared.items():
-                records.append(_write_durably(path / name, data))
+                got = _write_durably(path / name, data)
+                if (got.size, got.checksum) != (sent[name].size, sent[name].checksum):  # read back from its disk
+                    raise RuntimeError(f"rank {rank}'s {name} read back from its disk differs from what it wrote "
+                                       "(checksummed as written): not committed")
+                records.append(got)
         ranks: dict[str, list[int]] = {}
         for node, rank, _, _ in everyone:
             ranks.setdefault(node, []).append(rank)
