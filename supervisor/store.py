@@ -411,6 +411,7 @@ def _try_lock(fd: int) -> bool:
         raise
 
 
+BEGIN_LOCK_WAIT_S = 1.0  # how long begin() waits out a scan's momentary hold of a new partial's lock
 HELD = -1  # writer_alive: a writer holds the lock, its PID unrecorded
 UNCHECKABLE = -2  # writer_alive: the lock cannot be opened (no permission, not a file): taken as held
 
@@ -580,9 +581,14 @@ def begin(root: str | os.PathLike, step: int) -> PartialCheckpoint:
         shutil.rmtree(path)
     path.mkdir()
     fd = os.open(path / WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    if not _try_lock(fd):
-        os.close(fd)
-        raise RuntimeError(f"{path}: another writer took the lock")
+    # A scan (status, gc, retention) asking writer_alive holds the lock for an instant: waited out, not taken for
+    # another writer (review 13: a `status --watch` at that instant failed the save).
+    deadline = time.monotonic() + BEGIN_LOCK_WAIT_S
+    while not _try_lock(fd):
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            raise RuntimeError(f"{path}: another writer took the lock")
+        time.sleep(0.005)
     os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
     fsync_dir(root)
     return PartialCheckpoint(root, step, path, fd)

@@ -100,6 +100,28 @@ def test_a_step_saved_again_is_swapped_in_whole_so_a_crash_leaves_one_of_them_as
     assert [i.step for i in store.scan(tmp_path) if i.valid] == [20]
 
 
+def test_begin_waits_out_a_scan_that_holds_the_new_partials_lock_for_an_instant(tmp_path, monkeypatch):
+    """Review 13: writer_alive (status, gc, retention) takes the lock for an instant; between begin's open and its
+    flock that failed the save as "another writer took the lock"."""
+    import fcntl
+
+    real_open = os.open
+
+    def scanned_at_once(path, flags, mode=0o777, **kw):
+        fd = real_open(path, flags, mode, **kw)
+        if str(path).endswith(store.WRITER_LOCK):
+            scan = real_open(path, os.O_RDONLY)
+            fcntl.flock(scan, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            threading.Timer(0.05, os.close, (scan,)).start()
+        return fd
+
+    monkeypatch.setattr(store.os, "open", scanned_at_once)
+    partial = store.begin(tmp_path, 10)
+    monkeypatch.undo()
+    assert store.writer_alive(partial.path) == os.getpid()
+    partial.close()
+
+
 def test_begin_removes_a_dead_writers_partial_but_not_a_live_one(tmp_path):
     live = write_checkpoint(tmp_path, 30, commit=False, close=False)
     assert store.writer_alive(live.path) == os.getpid()
