@@ -217,6 +217,21 @@ class Replicator:
             log.info("not copying local step(s) %s to the durable tier: the ranks resumed from durable step %s, "
                      "before them", stale, resumed)
 
+    def roll_back(self, below: int) -> None:
+        """The supervisor rolled the training back below step `below` (a non-finite loss): this node's local steps
+        from there on are the training it left, and are not copied (review 13: copied on, the step rolled back past
+        became the newest durable one, and the new training's copies were held back as superseded until they passed
+        it). A new save of such a step number is copied as any (notify)."""
+        with contextlib.suppress(OSError):
+            infos = self._scan(self.local_root) if self.local_root.is_dir() else []
+            stale = [i.step for i in infos if not i.partial and i.step >= below]
+            with self._lock:
+                self._unusable.update(stale)
+                self._queue.difference_update(stale)
+            if stale:
+                log.info("not copying local step(s) %s to the durable tier: the run rolled back below step %d",
+                         stale, below)
+
     def drain(self, timeout_s: float, stop: Callable[[], float | None] = lambda: None) -> bool:
         """Wait until nothing is queued, `timeout_s` passed, or a copy failed once more while waiting (a durable
         tier that is down does not hold the exit for long); True when this node's part of every local
@@ -276,7 +291,8 @@ class Replicator:
         otherwise a node that finished first keeps the steps newer than the durable tier's newest it saw, and
         its state file shows a lag the durable tier no longer has."""
         while time.monotonic() < deadline:
-            local = [i.step for i in self._scan(self.local_root) if i.valid] if self.local_root.is_dir() else []
+            local = [i.step for i in self._scan(self.local_root) if i.valid and i.step not in self._unusable] \
+                if self.local_root.is_dir() else []  # a step passed over is published by nobody
             if not local or max(local) <= max(self._durable_valid(), default=-1):
                 return
             time.sleep(0.2)

@@ -475,6 +475,8 @@ class Supervisor:
         self._transition(RunState.RESTARTING)
         if decision.resume_below is not None and not decision.quarantine_once_older_loads:
             self.console.event(f"rolling back: resuming below step {decision.resume_below} once", style="yellow")
+            if self.replicator is not None:
+                self.replicator.roll_back(decision.resume_below)
         self.console.event(decision.message, style="yellow")
         self._wait_unless_stopped(decision.wait_s)
         return decision.resume_below

@@ -165,6 +165,34 @@ def test_a_local_step_removed_while_it_is_copied_is_no_failure_of_the_durable_ti
     assert not (tmp_path / "durable" / store.partial_dirname(10)).exists()  # its room given back
 
 
+def test_local_steps_a_rollback_passed_over_are_not_copied_until_saved_again(tmp_path):
+    """Review 13: after a NaN rollback below step 20 the replicator went on copying 20 and 30; the newest durable step
+    was then the one rolled back past, and the new training's saves below it were held back as superseded."""
+    one = {"a": [0, 1]}
+    for step in (10, 20, 30):
+        local_checkpoint(tmp_path / "local-a", step, "a", one)
+    r = replicator(tmp_path, "a", keep_local=5)
+    r.roll_back(20)
+    r.notify(10)
+    r.start()
+    try:
+        assert r.drain(30.0)
+    finally:
+        r.stop()
+    durable = tmp_path / "durable"
+    assert [i.step for i in store.scan(durable) if i.valid] == [10]
+    r = replicator(tmp_path, "a", keep_local=5)  # the same supervisor's, as far as the copies go
+    r.roll_back(20)
+    r.start()
+    try:
+        local_checkpoint(tmp_path / "local-a", 20, "a", one, salt="the new training")  # step 20 saved again
+        r.notify(20)
+        assert r.drain(30.0)
+    finally:
+        r.stop()
+    assert [i.step for i in store.scan(durable) if i.valid] == [10, 20]
+
+
 def test_a_restarted_supervisor_goes_on_timing_the_outage_it_inherited_and_says_it_again(tmp_path):
     """The outage clock began anew with each supervisor: one restarted every hour never reached a limit of an hour,
     and the local tier (uncopied checkpoints kept) filled. A copy that works still ends the outage."""
