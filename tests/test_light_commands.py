@@ -249,6 +249,31 @@ def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
     assert "tiny" in text and "worker_signal" in text and "rank 1 killed by SIGKILL" in text
 
 
+def test_status_of_a_dead_supervisors_run_shows_its_ranks_that_still_run_as_alive(tmp_path):
+    """Audit 16: with the supervisor SIGKILLed, every rank showed ALIVE `no`, a stopped orphan still running among them.
+    A rank is asked again on its own machine; a pid another process took since (started after the rank's last beat)
+    is not the rank."""
+    import socket
+    import subprocess
+    import time
+
+    from supervisor.commands.status import NodeStatus
+    from supervisor.state import RunRecord
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    now = time.time()
+    rec = RunRecord(name="tiny", run_dir=".", checkpoint_dir="checkpoints",
+                    supervisor={"pid": 1, "host": socket.gethostname()},
+                    ranks=[{"rank": 0, "pid": os.getpid(), "heartbeat_at": now, "alive": True},
+                           {"rank": 1, "pid": gone.pid, "heartbeat_at": now, "alive": True},
+                           {"rank": 2, "pid": os.getpid(), "heartbeat_at": now - 10 ** 7, "alive": True}])
+    node = NodeStatus(rec, tmp_path, supervisor_alive=False)
+    assert [r["alive"] for r in node.ranks(now)] == [True, False, False]
+    rec.supervisor["host"] = "another-host"  # another machine's pids are not this one's
+    assert [r["alive"] for r in node.ranks(now)] == [False, False, False]
+
+
 def test_status_of_a_killed_supervisors_tiered_run_counts_the_stop_checkpoint_its_ranks_left_locally(tmp_path, cli):
     """kill -9 of the supervisor: its ranks commit their stop checkpoint to the local tier. status said the older
     step the dead supervisor last wrote, while a rerun resumes from the local one."""
