@@ -461,6 +461,11 @@ def _scalar_str(loc: _Loc, key: str) -> str:
         return "1" if v else "0"
     if isinstance(v, str) and "\x00" in v:
         raise _fail(loc, key, "a string without a NUL character")
+    if isinstance(v, str):
+        try:
+            v.encode()
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800"): a traceback in the launch, or a crash loop (audit 15)
+            raise _fail(loc, key, "a string of valid text (no lone surrogate such as \\ud800)") from None
     if isinstance(v, (str, int, float)):
         return str(v)
     raise _fail(loc, key, "a string or number")

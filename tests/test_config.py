@@ -259,6 +259,11 @@ BAD = {
     "--set with an octal-looking count": (GOOD, "checkpoint.keep=010", None, ["--set checkpoint.keep=010: YAML 1.1"]),
     "--set that refers to itself": (GOOD, "name=&a [*a]", None, ["--set name=&a [*a]: the value refers to itself"]),
     "--set with a date that is no date": (GOOD, "name=2024-13-45", None, ["YAML cannot read it; quote it"]),
+    # Audit 15: a traceback from the launch (env), or three launches and a crash loop (args)
+    "an env value with a lone surrogate": ('name: x\nentrypoint: {module: m}\nenv: {A: "\\ud800"}\n', None, 3,
+                                           ["env.A must be a string of valid text"]),
+    "an argument with a lone surrogate": ('name: x\nentrypoint:\n  module: m\n  args: ["\\ud800"]\n', None, 4,
+                                          ["entrypoint.args must be a string of valid text"]),
     # Review 13: "$" matched before a final newline, so a block scalar's name made a run dir with a newline in it
     "a name that ends in a newline": ("name: |\n  x\nentrypoint: {module: m}\n", None, 1,
                                       ["1 to 100 letters, digits, '.', '_' or '-'"]),
