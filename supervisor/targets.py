@@ -138,7 +138,13 @@ def resolve(target: str | None, *, allow_checkpoint: bool = False, reads_only: b
         return Target(given, _run_dir_of_root(path.parent), path.parent, step)
     if layout.looks_like_run_dir(path):
         if not (path / layout.JOB_FILE).exists() and layout.state_files(path):  # no job record: the state's root
-            return Target(given, path, _root_from_state(path))
+            root = _root_from_state(path)
+            if not reads_only and not layout.inside(root, path):
+                # Audit 15: gc deleted in the folder a state file alone named, as if the job had recorded it.
+                raise UsageError(f"{path} has no job.json, and its state file names the checkpoint root {root}, "
+                                 "outside the run dir: nothing is done to a root only a state file names. Pass "
+                                 "that root as TARGET if it is this run's.")
+            return Target(given, path, root)
         try:
             return Target(given, path, layout.recorded_checkpoint_root(path))
         except UsageError as e:

@@ -832,6 +832,26 @@ def test_a_damaged_state_or_job_record_is_one_sentence_and_nothing_is_deleted(tm
     assert r.exit_code == 2 and "is a file of checkpoint step_000000002; pass its checkpoint root" in r.stderr
 
 
+def test_a_run_dir_without_job_json_is_not_a_way_for_gc_to_a_root_only_its_state_file_names(tmp_path, cli):
+    """Audit 15: gc deleted in the folder the state file recorded (\"as its job records it\") and left the run dir's
+    own checkpoints alone. Refused, as a damaged job.json is; status still reads the run."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "victim"
+    for step in (10, 20):
+        write_checkpoint(elsewhere, step)
+        write_checkpoint(run_dir / "checkpoints", step)
+    rec = _state_file(run_dir, state=state.RunState.SUCCEEDED)
+    rec.checkpoint_dir = str(elsewhere)
+    state.write(run_dir / "state.json", rec)
+    for args in (("gc", run_dir, "--keep", "1"), ("inspect-checkpoint", run_dir)):
+        r = cli(*args)
+        assert r.exit_code == 2 and r.stderr.strip() == (
+            f"resilient: {run_dir} has no job.json, and its state file names the checkpoint root {elsewhere}, "
+            "outside the run dir: nothing is done to a root only a state file names. Pass that root as TARGET if "
+            "it is this run's."), r.output
+    assert [i.step for i in store.scan(elsewhere)] == [10, 20]
+    assert cli("status", run_dir).exit_code == 0
+
+
 def test_gc_takes_no_local_tier_for_the_durable_root_and_refuses_a_bad_keep_local(tmp_path, cli):
     # A node's local tier recorded as the durable root itself (a {node} template that met checkpoint.dir).
     run_dir = _run_dir(tmp_path, local_root="checkpoints")
