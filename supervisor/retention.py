@@ -103,6 +103,12 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
                 remove.append(Removal(info.path, info.step, info.size_bytes, "abandoned partial save"))
         elif owner_alive and not older:
             spared.append((info, "newer than the newest valid and the run is live (kept as evidence)"))
+        elif not older and newest_valid is not None:  # audit 15: one stray file, and gc deleted an intact newest save
+            spared.append((info, f"{info.status.value} ({info.reason}), newer than the newest valid: kept for you "
+                                 "to look at; the next `resilient run` sets it aside, or remove it by hand"))
+        elif info.manifest is None and not _holds_checkpoint_files(info.path):
+            spared.append((info, f"{info.reason}: it holds no checkpoint file (a folder of someone else's named "
+                                 "like a checkpoint): remove it by hand"))
         elif newest_valid is None:
             spared.append((info, f"{info.status.value} ({info.reason}), but no valid checkpoint is left here: kept as "
                                  "all that remains of the run's progress; remove it by hand once understood"))
@@ -117,6 +123,15 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
             remove.append(Removal(root / store.SPARE_DIR, None, sum(spares.values()),
                                   "data files of deleted checkpoints that a run kept for its next saves"))
     return Plan(kept, remove, spared)
+
+
+def _holds_checkpoint_files(folder: Path) -> bool:
+    """Whether `folder` holds a file a save writes (DCP's `.distcp` files and `.metadata`, the marker): a folder
+    without one was not written by resilient (audit 15: a user's `step_000000007/notes.txt` was deleted)."""
+    try:
+        return any(e.name.endswith(".distcp") or e.name in (".metadata", store.MARKER) for e in os.scandir(folder))
+    except OSError:
+        return True  # unknown: judged as before
 
 
 def named(removals: Sequence[Removal]) -> str:

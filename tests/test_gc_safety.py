@@ -242,8 +242,9 @@ def test_gc_verify_keeps_an_older_whole_checkpoint_when_the_newest_has_a_flipped
     r = cli("gc", root, "--keep", "1", "--verify", "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert doc["kept"] == [1] and [x["step"] for x in doc["removed"]] == [2] and doc["verified"], doc
-    assert "checksum mismatch" in doc["removed"][0]["why"]
+    # 2, found corrupt, is newer than the newest whole one: kept to look at, not deleted (audit 15)
+    assert doc["kept"] == [1] and doc["removed"] == [] and doc["verified"], doc
+    assert [x["step"] for x in doc["spared"]] == [2] and "checksum mismatch" in doc["spared"][0]["why"]
     assert store.inspect(root / store.step_dirname(1), deep=True).valid
     assert read_under_lock == []
 

@@ -94,19 +94,22 @@ def test_gc_keep_1_keeps_newest_valid_even_with_newer_invalid(zoo, cli):
     assert r.exit_code == 0
     doc = json.loads(r.stdout)
     assert doc["kept"] == [40] and not doc["dry_run"]
-    assert {x.get("step") for x in doc["removed"]} == {10, 20, 30, 35, 50, 60, 70}
+    assert {x.get("step") for x in doc["removed"]} == {10, 20, 30, 35, 70}
+    assert {x["step"] for x in doc["spared"]} == {50, 60}  # damaged, newer than the newest valid (audit 15)
     assert doc["freed_bytes"] == dry["freed_bytes"] > 0
-    assert sorted(os.listdir(zoo)) == ["step_000000040"]
+    assert sorted(os.listdir(zoo)) == ["step_000000040", "step_000000050", "step_000000060"]
 
 
 def test_gc_keeps_n_newest_valid_and_prints_what_it_freed(tmp_path, cli):
     for s in (1, 2, 3, 4):
         write_checkpoint(tmp_path, s)
-    truncate(write_checkpoint(tmp_path, 5) / "__0_0.distcp")
+    truncate(write_checkpoint(tmp_path, 2) / "__0_0.distcp")  # damaged, older than the newest valid: goes
+    truncate(write_checkpoint(tmp_path, 5) / "__0_0.distcp")  # newer: the run's newest state, kept (audit 15)
     r = cli("gc", tmp_path, "--keep", "2")
     assert r.exit_code == 0
-    assert "removed step 1" in r.stdout and "removed step 5" in r.stdout and "freed" in r.stdout
-    assert sorted(os.listdir(tmp_path)) == ["step_000000003", "step_000000004"]
+    assert "removed step 1" in r.stdout and "removed step 2" in r.stdout and "freed" in r.stdout
+    assert "kept step_000000005: corrupt" in r.stdout, r.stdout
+    assert sorted(os.listdir(tmp_path)) == ["step_000000003", "step_000000004", "step_000000005"]
 
 
 def test_gc_usage_errors(tmp_path, cli):
@@ -508,9 +511,11 @@ def test_inspect_and_gc_show_and_act_on_both_tiers(tmp_path, cli):
     # no supervisor runs: the reason names what copies it (audit 13: "the supervisor is still copying it")
     assert [(x["step"], x["why"]) for x in local["a"]["spared"]] == [
         (50, "no durable copy yet: `resilient run` again copies the newest such step")]
-    assert sorted(x["step"] for x in local["b"]["removed"]) == [20, 60]  # 60 is corrupt: 40 is b's newest valid
+    # b's 60 is corrupt, newer than its newest valid 40: kept to look at, as in the durable tier (audit 15)
+    assert sorted(x["step"] for x in local["b"]["removed"]) == [20]
+    assert [x["step"] for x in local["b"]["spared"]] == [60]
     assert sorted(p.name for p in local_a.iterdir()) == ["step_000000050", "step_000000060"]
-    assert sorted(p.name for p in nvme_b.iterdir()) == ["step_000000040"]
+    assert sorted(p.name for p in nvme_b.iterdir()) == ["step_000000040", "step_000000060"]
 
 
 def test_inspect_exits_0_when_only_a_local_tier_holds_what_a_run_resumes_from(tmp_path, cli):

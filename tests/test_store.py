@@ -179,13 +179,29 @@ def test_retention_keeps_newest_valid_and_spares_live_partials(zoo):
     p = retention.plan(zoo, infos, keep=1, owner_alive=False)
     assert [i.step for i in p.kept] == [40]
     removed = {r.step for r in p.remove}
-    assert removed == {10, 20, 30, 35, 50, 60, 70}
-    # With a live supervisor, the partial and the invalid folders newer than the newest valid stay.
+    # Damaged folders newer than the newest valid stay in any case (audit 15: one stray file, notes.txt in 60, made
+    # gc delete an intact newest save): the run's newest state, salvageable by hand. An abandoned partial goes.
+    assert removed == {10, 20, 30, 35, 70}
+    assert {c.step: why.split(" (")[0] for c, why in p.spared} == {50: "corrupt", 60: "corrupt"}
+    # With a live supervisor, the partial too.
     p = retention.plan(zoo, infos, keep=1, owner_alive=True)
     assert {r.step for r in p.remove} == {10, 20, 30, 35}
     assert {c.step for c, _ in p.spared} == {50, 60, 70}
     with pytest.raises(ValueError):
         retention.plan(zoo, infos, keep=0, owner_alive=False)
+
+
+def test_retention_leaves_a_folder_named_like_a_checkpoint_that_holds_no_checkpoint_file(tmp_path):
+    """Audit 15: a user's step_000000007/notes.txt, in a root a job was pointed at, was deleted as "corrupt: no
+    completion marker". A save's folder cut short holds DCP files, and still goes."""
+    write_checkpoint(tmp_path, 10)
+    (tmp_path / "step_000000007").mkdir()
+    (tmp_path / "step_000000007" / "notes.txt").write_text("mine")
+    cut = write_checkpoint(tmp_path, 5)
+    os.unlink(cut / store.MARKER)
+    p = retention.plan(tmp_path, store.scan(tmp_path), keep=1, owner_alive=False)
+    assert [r.step for r in p.remove] == [5]
+    assert [(c.step, why.split(": ")[-1]) for c, why in p.spared] == [(7, "remove it by hand")]
 
 
 def test_retention_never_touches_a_partial_with_a_live_writer(tmp_path):
