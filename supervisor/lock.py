@@ -118,6 +118,7 @@ class RootClaim:
         self.owner = None if job is None else {
             "job": job, "durable_root": None if durable is None else os.path.realpath(durable)}
         self._fd: int | None = None
+        self.adopted = False  # acquire took a root holding checkpoints that recorded no owner: said on the console
 
     def _name(self) -> str:
         import hashlib
@@ -150,7 +151,8 @@ class RootClaim:
         try:
             fcntl.flock(mutex, fcntl.LOCK_EX)
             self.refuse_if_taken()
-            if self.owner is not None and self._recorded_owner() != self.owner:
+            if self.owner is not None and (recorded := self._recorded_owner()) != self.owner:
+                self.adopted = recorded is None and _holds_checkpoints(self.root)
                 atomic_write_json(owners / OWNER_FILE, self.owner, durable=False)
             self._fd = self._hold(owners)
         finally:

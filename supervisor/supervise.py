@@ -204,12 +204,13 @@ class Supervisor:
 
     def _retain_at_start(self, chosen: int | None) -> None:
         """Checkpoints committed while no supervisor ran (the ranks of a killed one checkpoint and stop) were
-        never trimmed: apply `keep` once before the first launch, to the chosen checkpoint and older ones (a newer
-        folder the choice passed over, unreadable to its full check, may look whole to retention's size check).
+        never trimmed: apply `keep` once before the first launch of a rerun, to the chosen checkpoint and older
+        ones (a newer folder the choice passed over, unreadable to its full check, may look whole to retention's
+        size check).
         One node, one tier only: with several, the node whose rank 0 commits trims (others may be loading), and
         the replicator keeps a local tier's."""
-        if self.cfg.nnodes != "1" or self.replicator is not None or chosen is None:
-            return
+        if self.cfg.nnodes != "1" or self.replicator is not None or chosen is None or not self.record.history:
+            return  # (no attempt of this run before: a root it was only pointed at is not trimmed; audit 15)
         done = self._keep(lambda info: info.step <= chosen)
         if done is None:
             return

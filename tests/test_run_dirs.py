@@ -566,12 +566,30 @@ def test_logs_never_reads_through_a_link_out_of_the_attempts_logs_nor_waits_on_a
     assert "SECRET" not in out and "OUTSIDE RANK 1" not in out, out
 
 
+def killed_supervisors_record(run_dir: Path) -> None:
+    """What a supervisor SIGKILLed mid-attempt leaves: its state file, running, one attempt not ended."""
+    rec = state.RunRecord(name="demo", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.RUNNING)
+    rec.history.append(state.AttemptRecord(attempt=1, started_at=1.0, resumed_from_step=None))
+    state.write(run_dir / "state.json", rec)
+
+
 def test_checkpoints_committed_while_no_supervisor_ran_are_trimmed_to_keep_before_the_first_launch(
         tmp_path, cli, monkeypatch):
-    """The ranks of a killed supervisor checkpoint and stop on their own; nothing trimmed what they committed."""
+    """The ranks of a killed supervisor checkpoint and stop on their own; nothing trimmed what they committed. A
+    root a new run is only pointed at is not trimmed (audit 15: another job's checkpoints were deleted before the
+    first launch)."""
     run_dir = tmp_path / "run"
     for step in (10, 30, 50, 70, 90):
         write_checkpoint(run_dir / "checkpoints", step)
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: finished_attempt(steps=(100,)))
+    r = cli("run", job, "--run-dir", tmp_path / "new-run", "--set", f"checkpoint.dir={run_dir / 'checkpoints'}")
+    assert r.exit_code == 0 and "before the first launch" not in r.output, r.output
+    assert "holds checkpoints with no record of the job that wrote them" in " ".join(r.output.split()), r.output
+    assert steps(run_dir / "checkpoints") == [10, 30, 50, 70, 90, 100]  # (the fake attempt's commit trims nothing)
+    shutil.rmtree(run_dir / "checkpoints" / "step_000000100")
+    killed_supervisors_record(run_dir)  # now the root is this run dir's, whose supervisor was killed
     (run_dir / "checkpoints" / "step_000000040" / "__0_0.distcp").parent.mkdir()  # no marker: corrupt, said so
     (run_dir / "checkpoints" / "step_000000040" / "__0_0.distcp").write_bytes(b"x")
     job = tmp_path / "job.yaml"
@@ -599,6 +617,7 @@ def test_retention_at_start_never_removes_the_chosen_checkpoint_for_a_newer_one_
         return real(path, *a, **kw)
 
     monkeypatch.setattr(store, "checksum_file", eio_in_step_20)
+    killed_supervisors_record(run_dir)
     job = tmp_path / "job.yaml"
     job.write_text(JOB.replace("keep: 3", "keep: 1, verify: checksum"))
     monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: finished_attempt(steps=(30,)))

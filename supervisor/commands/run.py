@@ -315,6 +315,12 @@ def _run(job: str, overrides: list[str], node: str | None) -> int:
         # Retention deletes there: a root outside the run dir, or a link, is named as every light command names it.
         if (note := targets.Target(job, cfg.run_dir, cfg.checkpoint.dir).root_note()) is not None:
             console.event(note)
+        for claim in claims:  # audit 15: another job's checkpoints, their owner record lost, were taken in silence
+            if claim.adopted:
+                console.event(f"{claim.root} holds checkpoints with no record of the job that wrote them (made "
+                              f"before resilient kept one, or copied without its {OWNERS_DIR}): taken as job "
+                              f"{cfg.name}'s, and resumed from; if they are another job's, stop this run and give "
+                              f"it its own {claim.key}", style="yellow")
         if cfg.rdzv.conf and cfg.rdzv.endpoint is None:
             console.event("rdzv.conf is not used: one node without rdzv.endpoint runs torchrun --standalone",
                           style="yellow")
