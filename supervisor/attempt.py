@@ -464,7 +464,9 @@ class Attempt:
         """The record's step from the beats, never below what this group showed already: a beat lags the step log
         (audit 13: "progress step 214 · last valid checkpoint 220"). A new group (a regroup) starts it afresh."""
         group = current_group(heartbeats)  # a regroup's older ranks' files (a smaller world) stay behind
-        beaten = max((hb.step for hb in group.values() if hb.step is not None), default=None)
+        # a rank starting up or loading says step 0: no step of the run's (audit 16: "step 0" after a resume)
+        beaten = max((hb.step for hb in group.values() if hb.step is not None and hb.phase not in ("startup", "load")),
+                     default=None)
         if beaten is not None:
             shown = self.run_record.step
             self.run_record.step = beaten if not self._step_shown or shown is None else max(shown, beaten)

@@ -292,6 +292,10 @@ class Supervisor:
         self.record.restarts = self._restarts_before + self.policy.restarts  # counted once it happens
         self.record.history.append(rec)
         self.record.attempt = spec.attempt
+        if choice.step is not None:  # until the ranks' first step, where they resume (audit 16: a killed supervisor's
+            self.record.step = choice.step  # stale step and checkpoint showed, then "step 0" while the ranks loaded)
+            if self.record.last_checkpoint_step is None or choice.step > self.record.last_checkpoint_step:
+                self.record.last_checkpoint_step = choice.step
         self._transition(RunState.RUNNING)
         self.interval.new_attempt()
         self._retune()

@@ -17,6 +17,7 @@ import pytest
 
 from supervisor import state, store
 from supervisor.lock import RunLock
+from supervisor.protocol import Heartbeat, write_heartbeat
 from supervisor.replicate import ROOT_LOCK
 from tests.ckpt_helpers import flip_byte, write_checkpoint
 from tests.proc import REPO, child_env, readonly, started, wait_for
@@ -800,3 +801,32 @@ def test_a_relaunch_check_that_sets_aside_every_checkpoint_stops_the_run_and_a_r
     monkeypatch.setattr("supervisor.commands.run.make_launcher", finished_attempt)
     r = cli("run", tmp_path / "run.yaml", "--run-dir", run_dir)
     assert r.exit_code == 0 and "starting fresh" in r.output, r.output
+
+
+def test_a_rerun_after_a_killed_supervisor_shows_the_step_it_resumes_from_until_the_ranks_step(tmp_path, cli,
+                                                                                                 monkeypatch):
+    """Audit 16: the killed supervisor's record said step 240 and checkpoint 200 (a poll stale; its ranks then saved
+    253 on their own), and status showed those, then "step 0" while the ranks loaded, until the next checkpoint."""
+    run_dir = tmp_path / "run"
+    for step in (200, 253):
+        write_checkpoint(run_dir / "checkpoints", step)
+    rec = state.RunRecord(name="demo", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.RUNNING,
+                          step=240, last_checkpoint_step=200)
+    rec.history.append(state.AttemptRecord(attempt=1, started_at=1.0, resumed_from_step=None))
+    state.write(run_dir / "state.json", rec)
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    seen = {}
+
+    def launch(cfg, spec, handover):
+        doc = json.loads((run_dir / "state.json").read_text())
+        seen.update(step=doc["step"], last_checkpoint_step=doc["last_checkpoint_step"])
+        write_heartbeat(spec.heartbeat_dir, Heartbeat(rank=0, pid=2**22, world_size=2, phase="startup", step=0))
+        return finished_attempt(steps=(260,))(cfg, spec, handover)
+
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launch)
+    r = cli("run", job, "--run-dir", run_dir)
+    assert r.exit_code == 0 and "resuming from step 253" in r.output, r.output
+    assert seen == {"step": 253, "last_checkpoint_step": 253}
+    doc = json.loads((run_dir / "state.json").read_text())
+    assert doc["step"] == 260 and doc["last_checkpoint_step"] == 260, doc

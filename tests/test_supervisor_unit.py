@@ -1601,3 +1601,16 @@ def test_a_restarted_supervisor_takes_up_its_nodes_durable_outage(tmp_path):
     sup = Supervisor(cfg, layout, launcher=lambda *a: None, console=EventConsole("demo"))
     assert sup.replicator is not None and 7100 < sup.replicator._outage_before < 7180
     assert sup.replicator.state.failing_since is None  # nothing in force until a copy fails here too
+
+
+def test_the_records_step_is_not_a_rank_starting_up_or_loading():
+    """Audit 16: "step 0" while a resumed run's ranks loaded, their beats in `startup` and `load` saying step 0."""
+    from types import SimpleNamespace
+
+    from supervisor.attempt import Attempt
+
+    me = SimpleNamespace(run_record=SimpleNamespace(step=253), _step_shown=False)
+    Attempt._show_step(me, {0: hb(0, phase="startup", step=0), 1: hb(1, phase="load", step=0)})
+    assert me.run_record.step == 253 and not me._step_shown
+    Attempt._show_step(me, {0: hb(0, phase="train", step=254), 1: hb(1, phase="load", step=0)})
+    assert me.run_record.step == 254
