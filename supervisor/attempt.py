@@ -337,7 +337,14 @@ class Attempt:
         ignored = [Hang(r, STOP_IGNORED, time.monotonic() - asked, hb.step, hb.phase)
                    for r, hb in sorted(heartbeats.items()) if hb.phase != "exited"] if handle.alive() else []
         if ignored:  # they are SIGKILLed next (run's finally): what they were doing is all that can still be known
-            self.console.event(f"{name}: rank(s) {[h.rank for h in ignored]} still running after the grace; "
+            # the silent one first, named: the others likely wait for it (audit 16: a SIGSTOPped rank and the one
+            # blocked on it were named alike); its beats are this host's clock's
+            ages = {h.rank: time.time() - heartbeats[h.rank].time for h in ignored if heartbeats[h.rank].time}
+            silent = sorted((r for r, age in ages.items() if age > STALL_FLOOR_BEATS * self.cfg.heartbeat.interval_s),
+                            key=lambda r: -ages[r])
+            ignored.sort(key=lambda h: (silent.index(h.rank) if h.rank in silent else len(silent), h.rank))
+            why = "".join(f"; rank {r} silent for {ages[r]:.0f}s (the others likely wait for it)" for r in silent[:2])
+            self.console.event(f"{name}: rank(s) {[h.rank for h in ignored]} still running after the grace{why}; "
                                "capturing stacks before stopping them", style="red")
             evidence_note = f"; stacks of the ranks that did not stop in {self._capture(handle, ignored, heartbeats)}"
         self._show_step(heartbeats)
