@@ -143,6 +143,7 @@ class RunRecord:
     replication: dict[str, Any] = field(default_factory=dict)  # the local tier → durable tier (replicate.py)
     notes: list[dict[str, Any]] = field(default_factory=list)  # rank 0's warnings, once each: attempt, step, text
     message: str | None = None
+    next_launch_at: float | None = None  # restarting: when the backoff ends and the next attempt launches
     updated_at: float = 0.0
 
     def transition(self, new: RunState) -> None:

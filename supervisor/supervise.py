@@ -292,6 +292,7 @@ class Supervisor:
         self.record.restarts = self._restarts_before + self.policy.restarts  # counted once it happens
         self.record.history.append(rec)
         self.record.attempt = spec.attempt
+        self.record.ranks = []  # the last attempt's (audit 16: listed, dead, under the new attempt's header)
         if choice.step is not None:  # until the ranks' first step, where they resume (audit 16: a killed supervisor's
             self.record.step = choice.step  # stale step and checkpoint showed, then "step 0" while the ranks loaded)
             if self.record.last_checkpoint_step is None or choice.step > self.record.last_checkpoint_step:
@@ -483,7 +484,10 @@ class Supervisor:
             if self.replicator is not None:
                 self.replicator.roll_back(decision.resume_below)
         self.console.event(decision.message, style="yellow")
+        self.record.next_launch_at = time.time() + decision.wait_s  # audit 16: status could not tell a backoff from
+        self.save_state()  # a stuck supervisor
         self._wait_unless_stopped(decision.wait_s)
+        self.record.next_launch_at = None
         return decision.resume_below
 
     def _wait_unless_stopped(self, seconds: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -250,6 +251,18 @@ def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
         assert doc["state"] == "running" and doc["supervisor_alive"]
     text = cli("status", tmp_path).stdout
     assert "tiny" in text and "worker_signal" in text and "rank 1 killed by SIGKILL" in text
+
+
+def test_status_in_a_restarts_backoff_says_when_the_next_attempt_launches(tmp_path, cli):
+    """Audit 16: `restarting`, and nothing to tell a 15 s backoff from a stuck supervisor."""
+    _state_file(tmp_path, state=state.RunState.RESTARTING, attempt=1, next_launch_at=time.time() + 12.4)
+    with RunLock(tmp_path):
+        doc = json.loads(cli("status", tmp_path, "--json").stdout)
+        assert doc["state"] == "restarting" and doc["next_launch_at"] == pytest.approx(time.time() + 12.4, abs=5)
+        text = " ".join(cli("status", tmp_path).stdout.split())
+        assert re.search(r"restart attempt 2 launches in 1[0-2]s \(the backoff after attempt 1\)", text), text
+    doc = json.loads(cli("status", tmp_path, "--json").stdout)  # its supervisor gone: no launch is coming
+    assert doc["state"] == "stopped" and doc["next_launch_at"] is None
 
 
 def test_status_of_a_dead_supervisors_run_shows_its_ranks_that_still_run_as_alive(tmp_path):

@@ -114,6 +114,14 @@ class StatusResult:
             return None
         return _stale(rec.supervisor, self.now - rec.updated_at)
 
+    def next_launch_in(self) -> float | None:
+        """Seconds until a live supervisor's backoff ends and it launches the next attempt; None otherwise."""
+        p = self.primary
+        at = p.record.next_launch_at
+        if at is None or not p.supervisor_alive or p.effective_state is not RunState.RESTARTING:
+            return None
+        return max(0.0, at - self.now)
+
     def to_json(self) -> dict[str, Any]:
         p = self.primary
         rec = p.record
@@ -125,6 +133,7 @@ class StatusResult:
             supervisor_alive=p.supervisor_alive,
             supervisor_stale=self.supervisor_stale(),
             record_age_s=round(max(0.0, self.now - rec.updated_at), 1),
+            next_launch_at=rec.next_launch_at if self.next_launch_in() is not None else None,
             ranks=[r for n in self.current for r in n.ranks(self.now)],
             run_dir=str(self.run_dir),
             checkpoint_dir=str(self.checkpoint_root),
@@ -234,6 +243,9 @@ class StatusResult:
         ]
         if (note := self.target.root_note()) is not None:  # outside the run dir, or reached through a link
             lines.append(note)
+        if (due := self.next_launch_in()) is not None:
+            lines.append(f"restart   attempt {rec.attempt + 1} launches in {due:.0f}s (the backoff after attempt "
+                         f"{rec.attempt})")
         ci = rec.checkpoint_interval
         if ci:
             # A choice not taken (within 10 % and 2 steps of the one in force) is named as such, not left to
