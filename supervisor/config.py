@@ -381,8 +381,9 @@ def _factor(minimum: float) -> Check:
     return check
 
 
-def _duration(*, positive: bool = True) -> Check:
-    """Seconds as a number, or a string with a unit: 500ms, 30s, 5m, 2h."""
+def _duration(*, positive: bool = True, at_least: float = 0.0) -> Check:
+    """Seconds as a number, or a string with a unit: 500ms, 30s, 5m, 2h; `at_least`: a floor below which the value
+    can only fail every attempt (audit 15: a collective timeout of 1e-30 s crash-looped the run)."""
 
     def check(loc: _Loc, key: str) -> float:
         v = loc.value
@@ -391,8 +392,8 @@ def _duration(*, positive: bool = True) -> Check:
             seconds = float(v) if abs(v) <= MAX_DURATION_S else None  # float() of a 400-digit int overflows
         elif isinstance(v, str) and (m := DURATION_RE.fullmatch(v)):
             seconds = float(m.group(1)) * DURATION_UNITS[m.group(2)]
-        if seconds is None or not 0 <= seconds <= MAX_DURATION_S or (positive and seconds == 0):
-            bound = "> 0" if positive else "≥ 0"
+        if seconds is None or not max(0.0, at_least) <= seconds <= MAX_DURATION_S or (positive and seconds == 0):
+            bound = f"of at least {at_least:g}s" if at_least else "> 0" if positive else "≥ 0"
             raise _fail(loc, key, f"a duration {bound} and at most 1e9 seconds (a number, or a string like 30s, "
                                   "5m, 2h)")
         return seconds
@@ -578,14 +579,14 @@ SCHEMA: dict[str, Any] = {
         "crash_loop_attempts": _int(1),
     },
     "heartbeat": {
-        "interval_s": _duration(),
-        "timeout_s": _duration(),
-        "startup_timeout_s": _duration(),
-        "save_timeout_s": _optional(_duration()),
+        "interval_s": _duration(at_least=0.01),
+        "timeout_s": _duration(at_least=1.0),
+        "startup_timeout_s": _duration(at_least=1.0),
+        "save_timeout_s": _optional(_duration(at_least=1.0)),
         "stall_factor": _optional(_factor(2.0)),
     },
-    "collective_timeout_s": _duration(),
-    "stop_timeout_s": _duration(),
+    "collective_timeout_s": _duration(at_least=1.0),
+    "stop_timeout_s": _duration(at_least=1.0),
 }
 REQUIRED = ("name", "entrypoint")
 REQUIRED_EXAMPLE = {"name": "`name: my-job`", "entrypoint": "`entrypoint: {module: train_entry}`"}

@@ -198,9 +198,9 @@ BAD = {
                               ["restart must be a mapping"]),
     # Values that validated, then crashed the launch in a traceback (or every rank: inf overflows timedelta).
     "infinite duration": ("name: x\nentrypoint: {module: m}\nstop_timeout_s: .inf\n", None, 3,
-                          ["stop_timeout_s must be a duration > 0 and at most 1e9 seconds", "inf"]),
+                          ["stop_timeout_s must be a duration of at least 1s and at most 1e9 seconds", "inf"]),
     "huge duration": ("name: x\nentrypoint: {module: m}\ncollective_timeout_s: 1.0e+20\n", None, 3,
-                      ["collective_timeout_s must be a duration > 0 and at most 1e9 seconds"]),
+                      ["collective_timeout_s must be a duration of at least 1s and at most 1e9 seconds"]),
     "name ending in a newline": ('name: "x\\n"\nentrypoint: {module: m}\n', None, 1, ["name must be"]),
     "NUL in a path": ('name: x\nentrypoint: {module: m}\nrun_dir: "a\\0b"\n', None, 3,
                       ["run_dir must be a path without a NUL character"]),
@@ -259,6 +259,11 @@ BAD = {
     "--set with an octal-looking count": (GOOD, "checkpoint.keep=010", None, ["--set checkpoint.keep=010: YAML 1.1"]),
     "--set that refers to itself": (GOOD, "name=&a [*a]", None, ["--set name=&a [*a]: the value refers to itself"]),
     "--set with a date that is no date": (GOOD, "name=2024-13-45", None, ["YAML cannot read it; quote it"]),
+    # Audit 15: accepted, then every attempt failed (the collective's connect timed out in 0 ms) or was a hang
+    "a collective timeout of no time": ("name: x\nentrypoint: {module: m}\ncollective_timeout_s: 1e-30\n", None, 3,
+                                        ["collective_timeout_s must be a duration of at least 1s"]),
+    "a heartbeat interval of no time": ("name: x\nentrypoint: {module: m}\nheartbeat: {interval_s: 0.0001}\n", None,
+                                        3, ["heartbeat.interval_s must be a duration of at least 0.01s"]),
     # Audit 15: a traceback from the launch (env), or three launches and a crash loop (args)
     "an env value with a lone surrogate": ('name: x\nentrypoint: {module: m}\nenv: {A: "\\ud800"}\n', None, 3,
                                            ["env.A must be a string of valid text"]),
