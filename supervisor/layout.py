@@ -21,6 +21,7 @@ rebased onto the folder the run dir is found in now, never followed back to the 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -144,12 +145,20 @@ def recorded_checkpoint_root(run_dir: Path) -> Path:
     acting on the default in its place would show or delete the wrong folder."""
     path = run_dir / JOB_FILE
     try:
-        job = read_json(path)["job"]
-        return resolved(job["checkpoint"]["dir"], run_dir, job.get("run_dir"), what=f"{path} (checkpoint.dir)")
+        doc = read_json(path)
+        job = doc.get("job") if isinstance(doc, dict) else None
+        checkpoint = job.get("checkpoint") if isinstance(job, dict) else None
+        if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("dir"), str):
+            raise KeyError("it has no job.checkpoint.dir")  # audit 15: "TypeError 'NoneType' object is not ..."
+        written_in = job.get("run_dir")  # type: ignore[union-attr]  # a dict: checkpoint came from it
+        return resolved(checkpoint["dir"], run_dir, written_in if isinstance(written_in, str) else None,
+                        what=f"{path} (checkpoint.dir)")
     except FileNotFoundError:
         return run_dir / CHECKPOINTS_DIR
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        why = e.strerror if isinstance(e, OSError) else f"not a job record: {e.__class__.__name__} {e}"
+        why = e.strerror if isinstance(e, OSError) else f"not a job record: {e.args[0]}" if isinstance(e, KeyError) \
+            else "not a job record: not valid JSON" if isinstance(e, json.JSONDecodeError) \
+            else f"not a job record: {e}"
         fix = unreadable_fix(e) if isinstance(e, OSError) else None
         fix = f"{fix}, or " if fix else ""
         raise JobRecordError(f"{path} cannot be read ({why}); it records where this run's checkpoints are: {fix}pass "

@@ -164,6 +164,23 @@ def fits(value: Any, hint: Any) -> bool:
     return isinstance(value, origin or hint)
 
 
+def described(hint: Any) -> str:
+    """What the annotation `hint` asks for, in words, for a sentence on a damaged file (audit 15: "is not <class
+    'int'>", "is not list[dict[str, Any]]")."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(described(a) for a in args)
+    words = {int: "an integer", float: "a number (finite, below 1e12)", str: "text", bool: "true or false",
+             type(None): "null", Any: "anything"}
+    if hint in words:
+        return words[hint]
+    if origin is list:
+        return f"a list of {described(args[0]).removeprefix('an ').removeprefix('a ')}s" if args else "a list"
+    if origin is dict or hint is dict:
+        return "an object"
+    return getattr(hint, "__name__", str(hint))
+
+
 @dataclass
 class Heartbeat:
     """One rank's latest word. `seq` grows with every write, so a reader can tell a fresh beat from an old

@@ -23,7 +23,7 @@ from typing import Any
 
 from supervisor import layout, lock
 from supervisor.fsutil import atomic_write_json, read_json, unreadable_fix
-from supervisor.protocol import Heartbeat, fits, last_logged_step
+from supervisor.protocol import Heartbeat, described, fits, last_logged_step
 
 SCHEMA_VERSION = 1
 
@@ -269,12 +269,23 @@ def read(path: Path) -> RunRecord:
         raise StateFileError(f"{path}: cannot be read ({e.strerror or e})", fix=unreadable_fix(e)) from None
     except ValueError as e:
         raise StateFileError(f"{path}: not JSON ({e})", damaged=True) from None
-    if not isinstance(d, dict) or d.get("schema_version") != SCHEMA_VERSION:
+    if not isinstance(d, dict):  # audit 15: "schema_version None" for a file that holds a list
+        raise StateFileError(f"{path}: not a state record (a JSON object), but {type(d).__name__} JSON",
+                             damaged=True)
+    if d.get("schema_version") != SCHEMA_VERSION:
         version = d.get("schema_version") if isinstance(d, dict) else None
         written = isinstance(version, int) and not isinstance(version, bool)  # by another version: not damage
         raise StateFileError(f"{path}: schema_version {version!r}, this resilient reads {SCHEMA_VERSION}",
                              damaged=not written)
     try:
+        history = d.get("history", [])
+        if not isinstance(history, list):
+            raise ValueError(f"history: {history!r:.60} is not a list")
+        for i, h in enumerate(history):  # before the records are built: "'int' object has no attribute 'items'"
+            if not isinstance(h, dict):
+                raise ValueError(f"history[{i}]: {h!r:.60} is not an object")
+            if missing := [k for k in ("attempt", "started_at", "resumed_from_step") if k not in h]:
+                raise ValueError(f"history[{i}]: {', '.join(missing)} missing")
         rec = RunRecord.from_dict(d)
         _check_types(rec)
         for h in rec.history:
@@ -321,7 +332,7 @@ def _check_fields(where: str, d: Any, fields: dict[str, Any], required: tuple[st
             if d and key in required:
                 raise ValueError(f"{where}.{key}: missing")
         elif d[key] is not None and not fits(d[key], hint):
-            raise ValueError(f"{where}.{key}: {d[key]!r:.60} is not {getattr(hint, '__name__', hint)}")
+            raise ValueError(f"{where}.{key}: {d[key]!r:.60} is not {described(hint)}")
 
 
 def _check_types(obj: Any) -> None:
@@ -331,8 +342,7 @@ def _check_types(obj: Any) -> None:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if not fits(value, hints[f.name]):
-            raise ValueError(f"{f.name}: {value!r:.60} is not {hints[f.name]}".replace("typing.", "")
-                             .replace("float", "float (finite, below 1e12)"))
+            raise ValueError(f"{f.name}: {value!r:.60} is not {described(hints[f.name])}")
 
 
 def _relative_paths(rec: RunRecord) -> None:

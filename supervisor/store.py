@@ -36,6 +36,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -326,22 +327,30 @@ class Manifest:
         except (TypeError, ValueError) as e:
             raise ValueError(str(e) if "own checksum" in str(e) else f"its own checksum cannot be computed ({e})") \
                 from None
-        try:
-            files = tuple(FileRecord(str(f["name"]), int(f["size"]), str(f["checksum"]))
-                          for f in doc["files"])
-            manifest = cls(
-                step=int(doc["step"]),
-                world_size=int(doc["world_size"]),
-                created_at=float(doc["created_at_unix"]),
-                files=files,
-                checksum_algorithm=str(doc["checksum_algorithm"]),
-                writer=dict(doc.get("writer", {})),
-                extra=dict(doc.get("extra", {})),
-            )
-        except (KeyError, TypeError, ValueError, OverflowError) as e:
-            raise ValueError(f"missing or malformed field ({e})") from None
+        def field(src: Any, name: str, kind: type, where: str = "") -> Any:
+            """`src[name]` as `kind`, or a reason naming the field (audit 15: Python's "dictionary update sequence
+            element #0 has length 1" and "cannot convert float infinity to integer" were the reasons given)."""
+            value = src.get(name) if isinstance(src, dict) else None
+            ok = isinstance(value, kind) and not isinstance(value, bool) if kind in (int, str, dict) else \
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok:
+                words = {int: "an integer", float: "a finite number", str: "text", dict: "an object"}[kind]
+                raise ValueError(f"field {where}{name} is missing or not {words}")
+            return kind(value)
+
+        if not isinstance(doc.get("files"), list):
+            raise ValueError("field files is missing or not a list")
+        files = tuple(FileRecord(field(f, "name", str, f"files[{i}]."), field(f, "size", int, f"files[{i}]."),
+                                 field(f, "checksum", str, f"files[{i}].")) for i, f in enumerate(doc["files"]))
+        manifest = cls(step=field(doc, "step", int), world_size=field(doc, "world_size", int),
+                       created_at=field(doc, "created_at_unix", float), files=files,
+                       checksum_algorithm=field(doc, "checksum_algorithm", str),
+                       writer=field({"writer": doc.get("writer", {})}, "writer", dict),
+                       extra=field({"extra": doc.get("extra", {})}, "extra", dict))
         if any(f.name in ("", ".", "..") or "/" in f.name or f.size < 0 for f in files):
             raise ValueError("lists a file name or size that cannot be right")
+        if len({f.name for f in files}) != len(files):
+            raise ValueError("lists a file twice")
         if not (0 <= manifest.created_at < MAX_UNIX_TIME) or manifest.step < 0 or manifest.world_size < 1:
             raise ValueError("has a time, step or world size that cannot be right")
         return manifest

@@ -822,8 +822,18 @@ def test_a_damaged_state_or_job_record_is_one_sentence_and_nothing_is_deleted(tm
                     assert json.loads(r.stdout)["exit_code"] == 2, r.output
                 else:
                     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    # Audit 15: Python's words ("'int' object has no attribute 'items'", "is not <class 'int'>", "schema_version
+    # None" for a list) where the field and what it should hold are meant.
+    for doc, says in [({**good, "history": [1, 2]}, "malformed (history[0]: 1 is not an object)"),
+                      ({**good, "history": [{"attempt": 1}]}, "malformed (history[0]: started_at, resumed_from_step "
+                                                              "missing)"),
+                      ({**good, "attempt": "x"}, "malformed (attempt: 'x' is not an integer)"),
+                      ([1, 2], "not a state record (a JSON object), but list JSON")]:
+        (run_dir / "state.json").write_text(json.dumps(doc))
+        r = cli("status", run_dir)
+        assert r.exit_code == 2 and f"state.json: {says}" in r.stderr, r.output
     (run_dir / "state.json").write_text(json.dumps({**good, "goodput": 1e308}))  # said as a bound, not "not float"
-    assert "goodput: 1e+308 is not float (finite, below 1e12) | None" in cli("status", run_dir).stderr
+    assert "goodput: 1e+308 is not a number (finite, below 1e12) or null" in cli("status", run_dir).stderr
     # NaN and Infinity where Python wrote them read as nothing, so `status --json` stays JSON.
     (run_dir / "state.json").write_text(json.dumps({**good, "goodput": float("inf")}))
     r = cli("status", run_dir, "--json")
@@ -1014,7 +1024,7 @@ def test_status_of_an_orphaned_run_skips_damaged_beats_and_step_lines_and_never_
     doc["quarantined"] = [{"step": 5, "path": ["step_000000005.quarantined"], "reason": "corrupt", "at": 1.0}]
     (tmp_path / "line" / "state.json").write_text(json.dumps(doc))
     r = cli("status", tmp_path / "line")
-    assert r.exit_code == 2 and "quarantined[0].path: ['step_000000005.quarantined'] is not str" in r.stderr, r.output
+    assert r.exit_code == 2 and "quarantined[0].path: ['step_000000005.quarantined'] is not text" in r.stderr, r.output
 
 
 def test_a_recorded_path_with_a_nul_character_is_one_sentence(tmp_path, cli):
