@@ -226,6 +226,9 @@ BAD = {
                        ["not valid YAML (could not determine a constructor for the tag '!foo')"]),
     "nesting without end": ("name: x\nentrypoint: {module: m}\nenv: " + "[" * 5000 + "]" * 5000 + "\n", None,
                             None, ["nested thousands of levels deep"]),
+    "a huge file without aliases": ("name: x\nentrypoint: {module: m}\nenv:\n"
+                                    + "".join(f"  V{i}: x\n" for i in range(100_001)), None, None,
+                                    ["holds more than 100000 values, where a job file has about a hundred"]),
     "aliases of aliases": ("name: x\nentrypoint: {module: m}\na0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
                            + "".join(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]\n" for i in range(1, 10)),
                            None, None, ["expands to more than 100000 values"]),
