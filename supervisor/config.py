@@ -454,6 +454,8 @@ def _path(loc: _Loc, key: str) -> str:
         raise _fail(loc, key, f"a path in which {{node}} is the one name filled in (not {', '.join(sorted(odd))})")
     if "\x00" in loc.value:
         raise _fail(loc, key, "a path without a NUL character")
+    if var := re.search(r"\$(\w+|\{[^}]*\})", loc.value):  # audit 15: a folder named `$HOME` was made
+        raise _fail(loc, key, f"a path written out: resilient does not expand {var.group(0)} (only a leading ~)")
     try:
         encoded = os.fsencode(loc.value)
     except UnicodeEncodeError:  # a lone surrogate ("\ud800"), which YAML's escapes allow
@@ -551,7 +553,8 @@ def _interval(loc: _Loc, key: str) -> int | None:
 
 # The schema: section -> key -> check. A nested dict is a section; its keys are checked the same way.
 SCHEMA: dict[str, Any] = {
-    "name": _string(NAME_RE, "1 to 100 letters, digits, '.', '_' or '-' (no spaces or slashes, not only dots)"),
+    "name": _string(NAME_RE, "1 to 100 ASCII letters, digits, '.', '_' or '-' (no spaces or slashes, not only "
+                             "dots)"),
     "run_dir": _path,
     "entrypoint": {
         "module": _optional(_string(MODULE_RE, "a dotted Python module name, e.g. train_entry")),

@@ -267,6 +267,9 @@ BAD = {
                                         ["collective_timeout_s must be a duration of at least 1s"]),
     "a heartbeat interval of no time": ("name: x\nentrypoint: {module: m}\nheartbeat: {interval_s: 0.0001}\n", None,
                                         3, ["heartbeat.interval_s must be a duration of at least 0.01s"]),
+    "a shell variable in a path": ("name: x\nentrypoint: {module: m}\nrun_dir: $HOME/rd\n", None, 3,
+                                   ["run_dir must be a path written out: resilient does not expand $HOME (only a "
+                                    "leading ~)"]),
     # Audit 15: a traceback from the launch (env), or three launches and a crash loop (args)
     "an env value with a lone surrogate": ('name: x\nentrypoint: {module: m}\nenv: {A: "\\ud800"}\n', None, 3,
                                            ["env.A must be a string of valid text"]),
@@ -274,7 +277,7 @@ BAD = {
                                           ["entrypoint.args must be a string of valid text"]),
     # Review 13: "$" matched before a final newline, so a block scalar's name made a run dir with a newline in it
     "a name that ends in a newline": ("name: |\n  x\nentrypoint: {module: m}\n", None, 1,
-                                      ["1 to 100 letters, digits, '.', '_' or '-'"]),
+                                      ["1 to 100 ASCII letters, digits, '.', '_' or '-'"]),
 }
 
 

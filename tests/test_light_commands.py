@@ -253,6 +253,18 @@ def test_status_of_a_run_whose_supervisor_died_says_stopped(tmp_path, cli):
     assert "tiny" in text and "worker_signal" in text and "rank 1 killed by SIGKILL" in text
 
 
+def test_logs_of_a_run_dir_whose_logs_folder_is_a_link_says_so(tmp_path, cli):
+    """Audit 15: "no attempt has started yet", of a run whose logs/ had become a link (not followed)."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (elsewhere / "attempt_1").mkdir(parents=True)
+    _state_file(run_dir, state=state.RunState.SUCCEEDED)
+    (run_dir / "logs").symlink_to(elsewhere)
+    r = cli("logs", run_dir)
+    assert r.exit_code == 2 and r.stderr.strip() == (f"resilient: {run_dir / 'logs'} is a link, which resilient does "
+                                                     "not follow out of a run dir; put the logs folder itself back "
+                                                     "there."), r.output
+
+
 def test_status_in_a_restarts_backoff_says_when_the_next_attempt_launches(tmp_path, cli):
     """Audit 16: `restarting`, and nothing to tell a 15 s backoff from a stuck supervisor."""
     _state_file(tmp_path, state=state.RunState.RESTARTING, attempt=1, next_launch_at=time.time() + 12.4)

@@ -225,6 +225,9 @@ def _logs(target: str | None, rank: int | None, attempt: int | None, follow: boo
     if not nodes and not follow:
         if attempt is not None:
             raise _no_attempt(run_dir, attempt)
+        if (run_dir / layout.LOGS_DIR).is_symlink():  # audit 15: "no attempt has started yet" of a run that ran
+            raise UsageError(f"{run_dir / layout.LOGS_DIR} is a link, which resilient does not follow out of a run "
+                             "dir; put the logs folder itself back there.")
         raise UsageError(f"{run_dir}: no attempt has started yet; `resilient logs {t.given} --follow` waits for one.")
     for nl in nodes:
         nl.discover(rank)

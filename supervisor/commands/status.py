@@ -472,7 +472,8 @@ def collect(target: str | None) -> StatusResult:
         if n.record is None:
             damaged = n.error is not None and n.error.damaged
             why = ("it is damaged (a machine that crashed mid-write, or a hand edit); `resilient run` sets it aside "
-                   "and starts the run's record afresh, its checkpoints read as always" if damaged else
+                   "and starts the run's record afresh, its checkpoints read as always (`resilient inspect-checkpoint "
+                   f"{run_dir}` lists them meanwhile)" if damaged else
                    n.error.fix if n.error is not None and n.error.fix else "was it written by a newer resilient?")
             raise (NotYetError if damaged else UsageError)(f"{n.error}; {why}")  # --wait-ranks waits out a damaged one
         if not n.alive and not n.record.state.final:
