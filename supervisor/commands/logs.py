@@ -217,6 +217,10 @@ def _logs(target: str | None, rank: int | None, attempt: int | None, follow: boo
     t, files = targets.once_there(there, poll_s) if follow else there()
     run_dir = t.run_dir
     assert run_dir is not None
+    for node_dir in layout.node_dirs(run_dir):  # audit 15: "no attempt has started yet", or nothing and exit 0
+        if (node_dir / layout.LOGS_DIR).is_symlink():
+            raise UsageError(f"{node_dir / layout.LOGS_DIR} is a link, which resilient does not follow out of a run "
+                             "dir; put the logs folder itself back there.")
     nodes = []
     for node_dir in (layout.node_dirs(run_dir) if attempt is not None else _current(state.read_nodes(files))):
         k = attempt if attempt is not None else _latest(node_dir)
@@ -225,9 +229,6 @@ def _logs(target: str | None, rank: int | None, attempt: int | None, follow: boo
     if not nodes and not follow:
         if attempt is not None:
             raise _no_attempt(run_dir, attempt)
-        if (run_dir / layout.LOGS_DIR).is_symlink():  # audit 15: "no attempt has started yet" of a run that ran
-            raise UsageError(f"{run_dir / layout.LOGS_DIR} is a link, which resilient does not follow out of a run "
-                             "dir; put the logs folder itself back there.")
         raise UsageError(f"{run_dir}: no attempt has started yet; `resilient logs {t.given} --follow` waits for one.")
     for nl in nodes:
         nl.discover(rank)
