@@ -512,6 +512,9 @@ def test_recovery_exercise_rank_logs_and_a_moved_run_dir_that_resumes(tmp_path, 
             followed = follow.output()
     assert [h["reason"] for h in status(run_dir)["history"]] == ["worker_signal", "finished"]
     assert "==> attempt 1: " in followed and "==> attempt 2: " in followed and "[rank 0 out] step 60/60" in followed
+    # between the two, the supervisor's verdict: the last traceback shown is rank 0's lost connection (audit 16)
+    assert "==> attempt 1 ended: worker_signal (rank 1) — rank 1 killed by SIGKILL" in followed, followed[-3000:]
+    assert followed.index("==> attempt 1 ended") < followed.index("==> attempt 2: ")
     for k in (1, 2):
         for r in (0, 1):
             link = run_dir / f"logs/attempt_{k}/rank_{r}"

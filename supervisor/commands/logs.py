@@ -147,6 +147,19 @@ def _header(nl: NodeLogs) -> None:
     render.err.print(f"==> attempt {nl.attempt}: {nl.logs_dir} <==", markup=False, soft_wrap=True)
 
 
+def _ending(nodes: list[state.NodeRead], nl: NodeLogs) -> None:
+    """How the supervisor judged the attempt `nl` followed, between its lines and the next attempt's: the last
+    traceback shown is often a peer's that lost its connection, not the failed rank's (audit 16)."""
+    for n in nodes:
+        if n.node_dir == nl.node_dir and n.record is not None:
+            ended = [h for h in n.record.history if h.attempt == nl.attempt and h.ended_at is not None and h.reason]
+            if ended:
+                h = ended[-1]
+                who = f" (rank {h.failed_rank})" if h.failed_rank is not None else ""
+                render.err.print(f"==> attempt {nl.attempt} ended: {h.reason}{who} — {h.detail or ''} <==",
+                                 markup=False, soft_wrap=True)
+
+
 def _current(nodes: list[state.NodeRead]) -> list[Path]:
     """The node dirs the run is made of now: not those of nodes it went on without (state.retired)."""
     readable = [(n.record, n.alive) for n in nodes if n.record is not None]
@@ -259,8 +272,9 @@ def _follow(run_dir: Path, files: list[Path], nodes: list[NodeLogs], rank: int |
                 continue
             if attempt is not None and k not in ranklogs.attempts(node_dir):
                 continue  # not begun (yet) on this node
-            if nl is not None:  # a relaunch: finish the old attempt's files, then follow the new one
+            if nl is not None:  # a relaunch: finish the old attempt's files, say how it ended, follow the new one
                 _write(nl.read(final=True))
+                _ending(read, nl)
             by_dir[node_dir] = nl = NodeLogs(node_dir, k)
             _header(nl)
         for nl in by_dir.values():
