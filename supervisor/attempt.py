@@ -333,7 +333,7 @@ class Attempt:
             handle.wait(0.1)
             handle.track()
         heartbeats = read_heartbeats(self.spec.heartbeat_dir) or heartbeats
-        evidence_note = ""
+        evidence_note, stalled = "", None
         ignored = [Hang(r, STOP_IGNORED, time.monotonic() - asked, hb.step, hb.phase)
                    for r, hb in sorted(heartbeats.items()) if hb.phase != "exited"] if handle.alive() else []
         if ignored:  # they are SIGKILLed next (run's finally): what they were doing is all that can still be known
@@ -344,6 +344,8 @@ class Attempt:
                             key=lambda r: -ages[r])
             ignored.sort(key=lambda h: (silent.index(h.rank) if h.rank in silent else len(silent), h.rank))
             why = "".join(f"; rank {r} silent for {ages[r]:.0f}s (the others likely wait for it)" for r in silent[:2])
+            if silent:  # goodput books the silence as a hang's, not as lost steps or tail (audit 16)
+                stalled = (time.time() - ages[silent[0]], time.time())
             self.console.event(f"{name}: rank(s) {[h.rank for h in ignored]} still running after the grace{why}; "
                                "capturing stacks before stopping them", style="red")
             evidence_note = f"; stacks of the ranks that did not stop in {self._capture(handle, ignored, heartbeats)}"
@@ -365,7 +367,8 @@ class Attempt:
                     cause, failed = f"{found.detail}; ", found.failed_rank  # traceback blamed the wrong rank)
             missed = f" (none at the stop step {step}: {cause}see the ranks' logs in {self.spec.logs_dir})"
         return AttemptOutcome(api.STOPPED, f"stopped by {name} ({how}); newest valid checkpoint: "
-                              f"{saved.step if saved else 'none'}{tier}{missed}{evidence_note}", failed, rc, step)
+                              f"{saved.step if saved else 'none'}{tier}{missed}{evidence_note}", failed, rc, step,
+                              stalled=stalled)
 
     # ---- following the ranks --------------------------------------------------------------------------
 

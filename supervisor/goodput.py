@@ -7,10 +7,10 @@ step log of the node's local rank 0):
     train     first step → last step; of which
       blocking    training blocked by checkpoint saves
       lost        steps re-executed later: those beyond the step the next attempt resumed from
-      stalled     a detected hang, from the hung rank's last sign of progress to its detection, where steps
-                  the ranks ran after it (a hang stop continues them to checkpoint) put it inside training
     tail      last step → end of the attempt (the final or stop checkpoint and exit; or detecting a failure
               and stopping the processes)
+    stalled   a detected hang (or a stop a silent rank outlasted), from the hung rank's last sign of progress to
+              its detection: taken out of the kept training, the lost steps or the tail, wherever it fell
     down      end of an attempt → launch of the next (classifying, backoff)
 
 useful = train − lost − blocking (of the kept steps) − stalled; goodput = useful / wall, where wall is the time
@@ -59,11 +59,26 @@ class AttemptAccount:
         end = self.first_step_at if self.first_step_at is not None else (self.ended_at or self.launched_at)
         return max(0.0, end - self.launched_at)
 
+    def _stall_in(self, start: float | None, end: float | None) -> float:
+        """The part of a detected hang between `start` and `end`."""
+        if self.stall_since is None or self.stall_until is None or start is None or end is None:
+            return 0.0
+        return max(0.0, min(self.stall_until, end) - max(self.stall_since, start))
+
     @property
     def tail_s(self) -> float:
+        """Last step → end, but a hang in it (that is `stalled_s`)."""
         if self.ended_at is None:
             return 0.0
-        return max(0.0, self.ended_at - (self.last_step_at if self.last_step_at is not None else self.ended_at))
+        start = self.last_step_at if self.last_step_at is not None else self.ended_at
+        return max(0.0, self.ended_at - start - self._stall_in(start, self.ended_at))
+
+    @property
+    def lost_work_s(self) -> float:
+        """The lost steps' time, but a hang among them (that is `stalled_s`)."""
+        if not self.lost_s or self.last_step_at is None:
+            return self.lost_s
+        return max(0.0, self.lost_s - self._stall_in(self.last_step_at - self.lost_s, self.last_step_at))
 
     @property
     def blocking_inside_s(self) -> float:
@@ -74,17 +89,18 @@ class AttemptAccount:
 
     @property
     def stalled_s(self) -> float:
-        """The part of a detected hang inside the kept training (after the last step it is in the tail, and
-        among lost steps in `lost_s`)."""
-        if self.stall_since is None or self.stall_until is None or self.first_step_at is None \
-                or self.last_step_at is None:
+        """A detected hang from the first step on, wherever it fell: in the kept training, among the lost steps,
+        or after the last step (audit 16: the same 20 s hang was `hung`, `tail` or `lost` by what followed it).
+        Before the first step it is startup."""
+        if self.first_step_at is None or self.last_step_at is None:
             return 0.0
-        kept_until = self.last_step_at - self.lost_s
-        return max(0.0, min(self.stall_until, kept_until) - max(self.stall_since, self.first_step_at))
+        return self._stall_in(self.first_step_at, self.ended_at if self.ended_at is not None else self.last_step_at)
 
     @property
     def useful_s(self) -> float:
-        return max(0.0, self.train_s - self.lost_s - self.blocking_inside_s - self.stalled_s)
+        kept_stall = self._stall_in(self.first_step_at, None if self.last_step_at is None else
+                                    self.last_step_at - self.lost_s)
+        return max(0.0, self.train_s - self.lost_s - self.blocking_inside_s - kept_stall)
 
 
 @dataclass
@@ -224,7 +240,7 @@ class Accounting:
             "checkpoint_blocking_s": sum(a.blocking_inside_s for a in self.attempts),
             "stalled_s": sum(a.stalled_s for a in self.attempts),
             "lost_steps": sum(a.lost_steps for a in self.attempts),
-            "lost_s": sum(a.lost_s for a in self.attempts),
+            "lost_s": sum(a.lost_work_s for a in self.attempts),
             "tail_s": sum(a.tail_s for a in self.attempts),
             "down_s": self.down_s,
             "attempts": len(self.attempts),

@@ -85,3 +85,36 @@ def pytest_approx(v):
     import pytest
 
     return pytest.approx(v, abs=1e-6)
+
+
+def test_a_hang_is_booked_as_hung_wherever_it_fell_and_the_parts_still_add_up():
+    """Audit 16: the same 20 s hang was `hung` when the continued ranks stepped on and saved, `tail` when they did
+    not, and part of the lost steps' time when the stop that followed was outlasted."""
+    from supervisor.goodput import Accounting
+
+    def run(stall: tuple[float, float], end: float, resumed: int) -> dict:
+        acc = Accounting()
+        acc.start_session(0.0)
+        acc.launch(1, 0.0, None)
+        for s in range(1, 101):  # steps 1..100 at 0.1 s from t=1; step 50 saved
+            acc.step(s, 1.0 + 0.1 * s)
+            if s == 50:
+                acc.save(s, 0.0)
+        acc.stalled(*stall)
+        acc.end(end)
+        acc.settle(resumed)
+        acc.end_session(end)
+        s = acc.summary(end)
+        parts = sum(s[k] for k in ("startup_s", "useful_s", "checkpoint_blocking_s", "stalled_s", "lost_s", "tail_s",
+                                   "down_s"))
+        assert parts == pytest_approx(end), s
+        return s
+
+    # silent from the last step (11.0) until caught at 31.0, ended at 33.0 with no stop checkpoint: was all tail
+    s = run((11.0, 31.0), 33.0, resumed=50)
+    assert s["stalled_s"] == pytest_approx(20.0) and s["tail_s"] == pytest_approx(2.0) and s["lost_steps"] == 50
+    assert s["lost_s"] == pytest_approx(5.0)  # steps 51..100, their own time
+    # a hang inside the lost steps (between 8.0 and 9.0, the stop outlasted after): out of the lost steps' time
+    s = run((8.0, 9.0), 12.0, resumed=50)
+    assert s["stalled_s"] == pytest_approx(1.0) and s["lost_s"] == pytest_approx(4.0) and s["tail_s"] == \
+        pytest_approx(1.0)
