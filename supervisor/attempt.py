@@ -45,6 +45,7 @@ log = logging.getLogger("resilient")
 
 POLL_S = 0.5  # heartbeats and step log; torchrun's exit wakes the loop at once
 HANG_STOP_GRACE_S = 5.0  # a hung rank cannot checkpoint: do not wait long for it
+STOP_SLACK_S = 5.0  # past a stop's grace before the ranks still running are taken as outlasting it
 DISK_SCAN_S = 2.0  # commits made by a rank 0 on another node show up only on disk
 # A rank exited on its own, failing, and torchrun is still running this long after: it is waiting (30 s, whatever
 # its --shutdown-timeout) for a peer that cannot act on SIGTERM (stopped, or stuck in a collective). Measured:
@@ -309,7 +310,7 @@ class Attempt:
         already exited, the ranks having had the same signal)."""
         name = signal.Signals(self.listener.stop_signal() or signal.SIGTERM).name
         asked = time.monotonic()
-        deadline = self._stop_deadline = asked + self.cfg.stop_timeout_s + 5
+        deadline = self._stop_deadline = asked + self.cfg.stop_timeout_s + STOP_SLACK_S
         if rc is None:
             self.console.event(f"{name}: asking the ranks to checkpoint and stop (up to "
                                f"{self.cfg.stop_timeout_s:.0f}s)", style="yellow")
@@ -321,7 +322,8 @@ class Attempt:
                 self.listener.on_tick()  # the record stays fresh: `status` tells a long stop from a stopped supervisor
                 if self.listener.stop_signals_since() > told:  # audit 8: a second Ctrl-C met silence
                     told = self.listener.stop_signals_since()
-                    self.console.event(f"already stopping: the ranks have up to {left:.0f}s more to checkpoint; "
+                    more = max(0.0, left - STOP_SLACK_S)  # as the first line counted (audit 16: "20s", then "25s")
+                    self.console.event(f"already stopping: the ranks have up to {more:.0f}s more to checkpoint; "
                                        f"SIGKILL the supervisor (pid {os.getpid()}) to abandon the stop",
                                        style="yellow")
         else:
