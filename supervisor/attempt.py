@@ -359,7 +359,7 @@ class Attempt:
             local = store.latest_valid(self.handover.ckpt_local_dir)
             if local is not None and (saved is None or local.step > saved.step):
                 saved, tier = local, " (in the local tier)"
-        how = "torchrun exited" if rc is not None else "the grace period ran out"
+        how = "the ranks and torchrun exited" if rc is not None else "the grace period ran out"
         missed, failed = "", None
         if step is not None and (saved is None or saved.step < step):
             cause = ""
