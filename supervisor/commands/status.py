@@ -278,13 +278,18 @@ class StatusResult:
                 ranks.add_column(col, no_wrap=col != "NOTE")
             for n in self.current:
                 for r in n.ranks(self.now):
+                    exited = r.get("phase") == "exited"  # audit 16: an ended rank's age beside a hang limit was noise
+                    age, limit = r.get("heartbeat_age_s"), r.get("hang_limit_s")
+                    note = r.get("note") or ""
+                    if not note and not exited and p.supervisor_alive and isinstance(age, (int, float)) \
+                            and isinstance(limit, (int, float)) and age > limit:  # past its limit, not judged yet
+                        note = Text(f"silent {render.human_duration(age)} (limit {render.human_duration(limit)})",
+                                    style="red")
                     ranks.add_row(str(r.get("node") or n.record.node or "-"), str(r.get("rank")), str(r.get("pid")),
                                   str(r.get("step", "-")), str(r.get("phase", "-")),
-                                  render.human_duration(r.get("heartbeat_age_s")) + " ago",
-                                  render.human_duration(r.get("hang_limit_s")),
+                                  render.human_duration(age) + " ago", "-" if exited else render.human_duration(limit),
                                   "yes" if r.get("alive") else Text("no", style="red"),
-                                  "-" if r.get("steps_per_s") is None else f"{r['steps_per_s']:.1f}",
-                                  r.get("note") or "")
+                                  "-" if r.get("steps_per_s") is None else f"{r['steps_per_s']:.1f}", note)
             parts.append(ranks)
         if any(n.record.history for n in self.current):  # a retired node's: in the new nodes' (supervise.py)
             hist = Table(box=None, pad_edge=False, title="history", title_justify="left", title_style="bold")
