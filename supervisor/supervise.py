@@ -293,6 +293,8 @@ class Supervisor:
         self.record.history.append(rec)
         self.record.attempt = spec.attempt
         self.record.ranks = []  # the last attempt's (audit 16: listed, dead, under the new attempt's header)
+        if self.replicator is not None:
+            self.replicator.loading = frozenset(s for s in (choice.step, self.resume.local_step) if s is not None)
         if choice.step is not None:  # until the ranks' first step, where they resume (audit 16: a killed supervisor's
             self.record.step = choice.step  # stale step and checkpoint showed, then "step 0" while the ranks loaded)
             if self.record.last_checkpoint_step is None or choice.step > self.record.last_checkpoint_step:
@@ -430,6 +432,8 @@ class Supervisor:
 
     def on_resumed(self, step: int | None, tier: str | None, launched_at: float) -> None:
         self.resume.resumed(step)
+        if self.replicator is not None:
+            self.replicator.loading = frozenset()  # loaded: retention may judge them as any
         # Charged again from where the ranks really resumed: an attempt that ends before its first step (a rerun
         # that resumes at the last step, newer in the local tier than the durable step it was launched with)
         # never corrects the launch's charge through a step record.

@@ -770,3 +770,20 @@ def test_steps_queued_again_from_a_stale_newest_durable_step_are_not_pending_at_
     a.stop()  # the thread never started: stop() settles what the state file says
     snap = a.snapshot()
     assert snap["pending"] == [] and snap["newest_durable"] == 30, snap
+
+
+def test_retention_spares_the_steps_the_ranks_were_handed_to_load_until_they_have(tmp_path):
+    """Review 13: with keep_local 1, a local step the relaunched ranks were loading (not the newest) was deleted by the
+    replicator's retention mid-load: the load failed, an attempt was wasted."""
+    one = {"a": [0, 1]}
+    for step in (10, 20):
+        local_checkpoint(tmp_path / "local-a", step, "a", one)
+    r = replicator(tmp_path, "a", keep_local=1)
+    r._replicate(10)
+    r._replicate(20)
+    r.loading = frozenset({10})
+    r._local_retention()
+    assert [i.step for i in store.scan(tmp_path / "local-a")] == [10, 20]
+    r.loading = frozenset()
+    r._local_retention()
+    assert [i.step for i in store.scan(tmp_path / "local-a")] == [20]
