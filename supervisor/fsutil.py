@@ -283,3 +283,34 @@ def page_aligned_buffer(nbytes: int) -> memoryview:
     import mmap
 
     return memoryview(mmap.mmap(-1, max(PAGE, -(-nbytes // PAGE) * PAGE)))
+
+
+# Mount options under which flock() is the node's own: the locks resilient takes between nodes on a shared root
+# (a partial's writer, the durable tier's replication lock, the run's claim) then exclude nothing across hosts.
+LOCAL_LOCK_OPTIONS = ("localflock", "nolock", "local_lock=flock", "local_lock=all")
+
+
+def node_local_locks(path: str | os.PathLike, mountinfo: str | None = None) -> str | None:
+    """The mount of `path` and the option that makes flock() node-local there ("nfs4 with local_lock=all"), or None
+    (a local filesystem, a shared one with coherent locks, or one that cannot be told; review 13)."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    where = os.path.realpath(path)
+    best: tuple[int, str] | None = None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - " not in line or len(fields) < 6:
+            continue
+        point = fields[4].replace("\\040", " ")
+        under = where == point or where.startswith(point.rstrip("/") + "/")
+        if under and (best is None or len(point) > best[0]):
+            best = (len(point), line)
+    if best is None:
+        return None
+    before, after = best[1].split(" - ", 1)
+    options = set(before.split()[5].split(",")) | set(after.split()[2].split(",") if len(after.split()) > 2 else ())
+    found = next((o for o in LOCAL_LOCK_OPTIONS if o in options), None)
+    return None if found is None else f"{after.split()[0]} with {found}"

@@ -669,3 +669,20 @@ def test_a_save_being_committed_is_held_by_its_writer_until_it_is_a_checkpoint(t
     assert store.inspect(final).valid and not (final / store.WRITER_LOCK).exists()
     (final / store.WRITER_LOCK).write_text("{}")  # as a crash between the rename and the lock file's removal
     assert store.inspect(final, deep=True).valid
+
+
+def test_a_shared_root_whose_mount_keeps_flock_on_each_node_is_told_apart():
+    """Review 13: every lock resilient takes between nodes is a flock; on Lustre's localflock or NFS's nolock /
+    local_lock those exclude nothing across hosts, and a multi-node run is warned."""
+    from supervisor.fsutil import node_local_locks
+
+    info = ("22 27 0:21 / /proc rw,relatime - proc proc rw\n"
+            "30 27 0:40 / /shared rw,relatime - lustre mds@tcp:/fs rw,localflock\n"
+            "31 30 0:41 / /shared/nfs rw,relatime - nfs4 srv:/x rw,vers=4.2,local_lock=all\n"
+            "32 27 0:42 / /home rw,relatime - nfs4 srv:/home rw,vers=4.2,local_lock=none\n"
+            "33 27 0:43 / /ok\\040dir rw,nolock - nfs srv:/ok rw\n")
+    assert node_local_locks("/shared/ckpt", info) == "lustre with localflock"
+    assert node_local_locks("/shared/nfs/run/ckpt", info) == "nfs4 with local_lock=all"
+    assert node_local_locks("/home/u/ckpt", info) is None
+    assert node_local_locks("/ok dir/ckpt", info) == "nfs with nolock"
+    assert node_local_locks("/tmp/x", info) is None

@@ -19,7 +19,7 @@ from supervisor import prewarm, slurm, state, targets
 from supervisor.config import NAME_RE, RDZV_CONF_KEYS, JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, ResilientError, UsageError
-from supervisor.fsutil import NO_ROOM, how_to_make_writable, read_json, write_problem
+from supervisor.fsutil import NO_ROOM, how_to_make_writable, node_local_locks, read_json, write_problem
 from supervisor.layout import (
     HEARTBEATS_DIR,
     LOGS_DIR,
@@ -315,6 +315,11 @@ def _run(job: str, overrides: list[str], node: str | None) -> int:
         # Retention deletes there: a root outside the run dir, or a link, is named as every light command names it.
         if (note := targets.Target(job, cfg.run_dir, cfg.checkpoint.dir).root_note()) is not None:
             console.event(note)
+        if cfg.nnodes != "1" and (why := node_local_locks(cfg.checkpoint.dir)) is not None:
+            console.event(f"{cfg.checkpoint.dir} is on a {why} mount, where flock() holds on this node only: the locks "
+                          "resilient takes between nodes there (a save's writer, the durable tier's copies, the "
+                          "run's claim) exclude nothing across hosts; mount it with coherent locks (Lustre: flock; "
+                          "NFS: without nolock or local_lock)", style="yellow")
         for claim in claims:  # audit 15: another job's checkpoints, their owner record lost, were taken in silence
             if claim.adopted:
                 console.event(f"{claim.root} holds checkpoints with no record of the job that wrote them (made "
