@@ -243,10 +243,20 @@ class Accounting:
             "lost_s": sum(a.lost_work_s for a in self.attempts),
             "tail_s": sum(a.tail_s for a in self.attempts),
             "down_s": self.down_s,
+            "open_s": self._open_s(now),
             "attempts": len(self.attempts),
             "goodput": useful / wall if wall > 0 else None,
         }
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+    def _open_s(self, now: float) -> float:
+        """The running attempt's time since its last step (or its launch) that no part holds yet: it becomes
+        train, startup, hung, lost or tail once the attempt steps again or ends (audit 16: while a hang was not yet
+        detected the parts fell up to 20 s short of the wall time, with nothing to say where it went)."""
+        a = self.attempts[-1] if self.attempts else None
+        if a is None or a.ended_at is not None:
+            return 0.0
+        return max(0.0, now - (a.last_step_at if a.last_step_at is not None else a.launched_at))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -312,7 +312,7 @@ RANK_FIELDS: dict[str, Any] = {
 }
 SUMMARY_FIELDS: dict[str, Any] = {
     key: float for key in ("wall_s", "useful_s", "startup_s", "train_s", "checkpoint_blocking_s", "stalled_s",
-                           "lost_steps", "lost_s", "tail_s", "down_s", "attempts", "goodput")
+                           "lost_steps", "lost_s", "tail_s", "down_s", "open_s", "attempts", "goodput")
 }
 QUARANTINE_FIELDS: dict[str, Any] = {"step": int, "path": str, "reason": str, "at": float}
 NOTE_FIELDS: dict[str, Any] = {"attempt": int, "step": int, "text": str}

@@ -134,4 +134,5 @@ def summary_line(summary: dict[str, Any]) -> str:
             f"{summary['startup_s']:.1f}s, checkpoint blocking {summary['checkpoint_blocking_s']:.2f}s, "
             f"{'hung ' + format(summary['stalled_s'], '.1f') + 's, ' if summary.get('stalled_s') else ''}lost "
             f"{summary['lost_steps']} steps ({summary['lost_s']:.1f}s), tail {summary['tail_s']:.1f}s, "
-            f"down {summary['down_s']:.1f}s")
+            f"down {summary['down_s']:.1f}s"
+            + (f", since the last step {summary['open_s']:.1f}s" if (summary.get("open_s") or 0) >= 5.0 else ""))

@@ -118,3 +118,21 @@ def test_a_hang_is_booked_as_hung_wherever_it_fell_and_the_parts_still_add_up():
     s = run((8.0, 9.0), 12.0, resumed=50)
     assert s["stalled_s"] == pytest_approx(1.0) and s["lost_s"] == pytest_approx(4.0) and s["tail_s"] == \
         pytest_approx(1.0)
+
+
+def test_the_running_attempts_time_since_its_last_step_is_shown_so_the_parts_add_up_at_every_moment():
+    """Audit 16: while a hang was not yet detected the parts fell up to 20 s short of the wall time."""
+    from supervisor.goodput import Accounting
+    from supervisor.timeline import summary_line
+
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, None)
+    for s in range(1, 11):
+        acc.step(s, 1.0 + 0.1 * s)
+    s = acc.summary(20.0)  # silent since 2.0
+    assert s["open_s"] == pytest_approx(18.0)
+    assert s["startup_s"] + s["useful_s"] + s["open_s"] == pytest_approx(20.0)
+    assert summary_line(s).endswith(", since the last step 18.0s")
+    acc.end(21.0)
+    assert acc.summary(21.0)["open_s"] == 0.0 and "since the last step" not in summary_line(acc.summary(21.0))
