@@ -293,6 +293,28 @@ def test_status_in_a_restarts_backoff_says_when_the_next_attempt_launches(tmp_pa
     assert doc["state"] == "stopped" and doc["next_launch_at"] is None
 
 
+def test_status_of_a_dead_supervisors_run_charges_the_steps_beyond_the_newest_checkpoint_as_lost(tmp_path, cli):
+    """Audit 16: "lost 0 steps" at step 163 with checkpoint 100 once the supervisor was SIGKILLed; 63 after the
+    rerun. Shown as the rerun will book it, as for any run that stops."""
+    from supervisor.goodput import Accounting
+
+    acc = Accounting()
+    acc.start_session(1000.0)
+    acc.launch(1, 1000.0, None)
+    for s in range(1, 164):
+        acc.step(s, 1001.0 + 0.1 * s)
+        if s == 100:
+            acc.save(s, 0.0)
+    write_checkpoint(tmp_path / "checkpoints", 100)
+    rec = _state_file(tmp_path, state=state.RunState.RUNNING, step=163, last_checkpoint_step=100, attempt=1)
+    rec.history = [state.AttemptRecord(attempt=1, started_at=1000.0, resumed_from_step=None)]
+    rec.accounting = {"summary": acc.summary(1018.0), "ledger": acc.to_dict()}
+    state.write(tmp_path / "state.json", rec)
+    assert json.loads((tmp_path / "state.json").read_text())["accounting"]["summary"]["lost_steps"] == 0
+    doc = json.loads(cli("status", tmp_path, "--json").stdout)
+    assert doc["state"] == "stopped" and doc["accounting"]["summary"]["lost_steps"] == 63, doc["accounting"]
+
+
 def test_status_of_a_dead_supervisors_run_shows_its_ranks_that_still_run_as_alive(tmp_path):
     """Audit 16: with the supervisor SIGKILLed, every rank showed ALIVE `no`, a stopped orphan still running among them.
     A rank is asked again on its own machine; a pid another process took since (started after the rank's last beat)
