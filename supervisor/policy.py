@@ -147,6 +147,12 @@ class RestartPolicy:
                             quarantine_once_older_loads=later, resume_below=step if later else None,
                             message=f"{message}, from the durable tier" if local else
                             f"{message}, from the checkpoint before step {step}")
+        if resume_below is not None:  # a NaN's rollback, which holds until training passes it again (review 13:
+            # any later relaunch chose the step rolled back past again, by its number): set aside once older loads
+            return Decision(True, wait_s=wait, resume_below=resume_below, quarantine_step=resume_below,
+                            quarantine=f"the loss became non-finite after it ({outcome.detail})",
+                            quarantine_once_older_loads=True,
+                            message=f"{message}, rolling back below step {resume_below}")
         return Decision(True, wait_s=wait, resume_below=resume_below, message=message)
 
     def _unloadable(self, load: LoadFailure, outcome: AttemptOutcome) -> Decision | tuple[int, str, bool] | None:

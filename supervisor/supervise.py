@@ -483,8 +483,9 @@ class Supervisor:
         self.resume.set_aside(decision)
         self._settle()  # `status` in the backoff: the failed attempt's lost steps now (the launch charges anew)
         self._transition(RunState.RESTARTING)
-        if decision.resume_below is not None and not decision.quarantine_once_older_loads:
-            self.console.event(f"rolling back: resuming below step {decision.resume_below} once", style="yellow")
+        if decision.resume_below is not None:
+            if not decision.quarantine_once_older_loads:
+                self.console.event(f"rolling back: resuming below step {decision.resume_below} once", style="yellow")
             if self.replicator is not None:
                 self.replicator.roll_back(decision.resume_below)
         self.console.event(decision.message, style="yellow")

@@ -396,6 +396,8 @@ def test_nan_rolls_back_once_then_stops(tmp_path):
     assert doc["history"][1]["resumed_from_step"] == 20
     assert "rolling back" in console and "non-finite again after a rollback" in doc["message"]
     assert console.count("checkpoint step 40 committed") == 2, console  # the rollback's commit was not said
+    # the step rolled back past is set aside once step 20 loads: no later relaunch takes it by its number (review 13)
+    assert [(q["step"], "non-finite" in q["reason"]) for q in doc["quarantined"]] == [(40, True)], doc["quarantined"]
 
 
 def test_a_module_that_cannot_be_imported_is_a_config_error(tmp_path):

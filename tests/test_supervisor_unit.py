@@ -281,7 +281,10 @@ def test_policy_a_launch_that_waited_out_the_join_timeout_has_used_the_rendezvou
 def test_policy_nan_rolls_back_once_and_config_stops_at_once():
     p = RestartPolicy(RestartConfig(backoff_s=0))
     d = p.decide(outcome(api.NAN), progressed=True, newest_valid=40, older_valid=20)
-    assert d.relaunch and d.resume_below == 40
+    assert d.relaunch and d.resume_below == 40 and d.message.endswith(", rolling back below step 40")
+    # Review 13: the rollback held for one relaunch; any later one chose step 40 again by its number. It is set
+    # aside once an older one loads, as a checkpoint that failed to load twice is.
+    assert (d.quarantine_step, d.quarantine_once_older_loads) == (40, True) and "non-finite" in d.quarantine
     d = p.decide(outcome(api.NAN), progressed=False, newest_valid=40, older_valid=20)
     assert not d.relaunch and "again after a rollback" in d.message
     p = RestartPolicy(RestartConfig(backoff_s=0))
