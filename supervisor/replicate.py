@@ -358,7 +358,7 @@ class Replicator:
                 step = self._pick(todo)  # which scans the durable tier: its failures are the same news
                 wrote = self._replicate(step)
             except LocalSaveReplaced as e:  # still queued: copied again, the new save
-                log.info("%s: copying the new save", e)
+                log.info("%s", e)
             except LocalCopyDamaged as e:  # no news of the durable tier: the next step is copied at once
                 self._damaged(step, e)
             except Exception as e:  # every failure of the durable tier is the same news
@@ -523,6 +523,7 @@ class Replicator:
             for _ in range(2):  # again, once, if the publish finds a file of this part changed since
                 if copy:  # no publish can take the folder away before this part is there
                     self._copy_part(step, local, partial, mine, manifest)
+                self._unless_passed_over(step)
                 if not self._try_commit(step, partial, manifest):
                     break
                 copy = True
@@ -530,7 +531,8 @@ class Replicator:
             os.close(live)
             self._reclaim(partial)
             if isinstance(e, ValueError) and file_identity(local / store.MARKER) != marker:
-                raise LocalSaveReplaced(f"local step {step} was saved again while it was copied") from e
+                raise LocalSaveReplaced(f"local step {step} was saved again while it was copied: copying the new "
+                                        "save") from e
             raise
         os.close(live)
         return True
@@ -552,12 +554,14 @@ class Replicator:
         each file it vouches for with the identity it had then (inode, size, mtime): the publish checks them."""
         t0, copied, ids = time.monotonic(), 0, {}
         for i, rec in enumerate(manifest.files):
+            self._unless_passed_over(step)
             n, ids[rec.name] = self._copy_verified(local / rec.name, partial / rec.name, rec,
                                                    manifest.checksum_algorithm)
             copied += n
             if i == 0 and self._pause:
                 log.warning("test hook: pausing %.1fs inside the replication of step %d", self._pause, step)
                 time.sleep(self._pause)
+        self._unless_passed_over(step)  # before the part that vouches for it: nothing of it is published
         fsync_dir(partial)
         (partial / PARTS).mkdir(exist_ok=True)
         doc = {"node": self.node, "files": [f.to_dict() for f in manifest.files], "ids": ids, "at": time.time(),
@@ -567,6 +571,14 @@ class Replicator:
         self.state.seconds_copying += time.monotonic() - t0
         if step not in self._handled:  # copied again (its part dropped) it counts once
             self.state.replicated += 1
+
+    def _unless_passed_over(self, step: int) -> None:
+        """A rollback passed over `step` while it was being copied (review 14: the copy under way when the loss went
+        non-finite was most often of the very step rolled back past, and it published): the copy stops here."""
+        with self._lock:
+            passed = step in self._unusable
+        if passed:
+            raise LocalSaveReplaced(f"local step {step} was passed over by a rollback while it was copied: not copied")
 
     def _copy_verified(self, src: Path, dest: Path, rec: store.FileRecord,
                        algorithm: str) -> tuple[int, list[int] | None]:
@@ -587,7 +599,7 @@ class Replicator:
                 fin = open(src, "rb", buffering=0)  # noqa: SIM115 (closed by the with below)
             except FileNotFoundError as e:  # review 13: a local fault, which started the durable tier's outage clock
                 raise LocalSaveReplaced(f"local {src.parent.name} was removed or saved again while it was "
-                                        "copied") from e
+                                        "copied: copying the new save, if any") from e
             with fin:
                 while n := fin.readinto(buf):  # the one copy on this node's CPU: out of the local tier
                     out.write(buf[:n], aligned=True)

@@ -787,3 +787,28 @@ def test_retention_spares_the_steps_the_ranks_were_handed_to_load_until_they_hav
     r.loading = frozenset()
     r._local_retention()
     assert [i.step for i in store.scan(tmp_path / "local-a")] == [20]
+
+
+def test_a_rollback_stops_the_copy_of_the_step_it_passes_over_that_is_under_way(tmp_path, monkeypatch):
+    """Review 14: roll_back only took the steps out of the queue; the copy under way when the loss went non-finite,
+    most often of the very step rolled back past, went on and published it."""
+    one = {"a": [0, 1]}
+    local_checkpoint(tmp_path / "local-a", 10, "a", one)
+    local_checkpoint(tmp_path / "local-a", 20, "a", one)
+    r = replicator(tmp_path, "a", keep_local=5)
+    r._replicate(10)
+    real, copied = Replicator._copy_verified, []
+
+    def nan_after_the_first_file(self, src, dest, rec, algorithm):
+        out = real(self, src, dest, rec, algorithm)
+        copied.append(rec.name)
+        if len(copied) == 1:
+            self.roll_back(20)  # the supervisor's thread, in the middle of this copy
+        return out
+
+    monkeypatch.setattr(Replicator, "_copy_verified", nan_after_the_first_file)
+    with pytest.raises(Exception, match="local step 20 was passed over by a rollback while it was copied"):
+        r._replicate(20)
+    assert len(copied) == 1
+    assert [i.step for i in store.scan(tmp_path / "durable") if i.valid] == [10]
+    assert not (tmp_path / "durable" / store.partial_dirname(20)).exists()  # its room given back
