@@ -171,8 +171,14 @@ class RankWatch:
             elif phase == "train" and now - s.step_at > limit:
                 # a save of its step started elsewhere and waits for this rank: `if rank == 0: save()` (or slow
                 # code of the user's between beat() and save())
-                saving = tuple(r for r, o in sorted(self.seen.items())
-                               if o.hb.phase == "save" and s.hb.step is not None and o.hb.saving_step == s.hb.step)
+                # (not when this rank's own beat shows it has been through that save: an async one in flight, or
+                # one done; review 14: a rank whose save returned was told it never called it, the one stuck
+                # staging on a GPU spared until save_timeout_s)
+                been = s.hb.step is not None and (s.hb.saving_step == s.hb.step
+                                                  or (s.hb.last_save or {}).get("step") == s.hb.step)
+                saving = () if been else tuple(
+                    r for r, o in sorted(self.seen.items())
+                    if o.hb.phase == "save" and s.hb.step is not None and o.hb.saving_step == s.hb.step)
                 if silent > self.stall_floor_s:  # stopped beating too: the one the others wait for
                     found.append(Hang(rank, SILENT, silent, s.hb.step, phase, saving=saving))
                 else:

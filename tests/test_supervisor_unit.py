@@ -404,6 +404,14 @@ def test_a_rank_that_has_not_entered_the_save_the_others_wait_in_is_named_with_w
         w.observe({r: hb(r, phase="train", seq=t, step=4, saving_step=4) for r in (0, 1)}, now=t)
     assert [(h.rank, h.saving) for h in w.hangs(19.5)] == [(0, ()), (1, ())]
     assert "save" not in w.hangs(19.5)[0].describe()
+    # Review 14: rank 1 has been through save(4) (its async save in flight, or its last save that step), rank 0 is
+    # stuck staging in it: rank 1 was told it never called save().
+    for been in ({"saving_step": 4}, {"last_save": {"step": 4, "blocking_s": 0.1, "committed": False}}):
+        w = RankWatch(launched_at=0.0, timeout_s=10, startup_timeout_s=100)
+        for t in range(1, 20):
+            w.observe({0: hb(0, phase="save", seq=t, step=4, saving_step=4),
+                       1: hb(1, phase="train", seq=t, step=4, **been)}, now=t)
+        assert [(h.rank, h.saving) for h in w.hangs(19.5)] == [(1, ())], been
 
 
 def test_every_silent_rank_is_named_not_only_the_first():
