@@ -55,8 +55,9 @@ MAX_NOTES = 10  # rank 0's warnings kept for `status`: the newest
 class Supervisor:
     def __init__(self, cfg: JobConfig, layout: RunLayout, *, launcher: Launcher,
                  console: EventConsole | None = None, clock: Callable[[], float] = time.monotonic,
-                 keep_claims: Callable[[], Iterable[str | None]] = lambda: ()):
+                 keep_claims: Callable[[], Iterable[str | None]] = lambda: (), adopted_root: bool = False):
         self.cfg, self.layout, self.launcher = cfg, layout, launcher
+        self.adopted_root = adopted_root  # the root's checkpoints recorded no owner: nothing trimmed at the start
         # the roots' claims made again if a root was wiped (each record write); a sentence for one another run took
         self.keep_claims = keep_claims
         self._farewell: Callable[[dict[str, Any]], str] | None = None  # a finished run's last line, from its books
@@ -209,8 +210,9 @@ class Supervisor:
         size check).
         One node, one tier only: with several, the node whose rank 0 commits trims (others may be loading), and
         the replicator keeps a local tier's."""
-        if self.cfg.nnodes != "1" or self.replicator is not None or chosen is None or not self.record.history:
-            return  # (no attempt of this run before: a root it was only pointed at is not trimmed; audit 15)
+        if self.cfg.nnodes != "1" or self.replicator is not None or chosen is None or not self.record.history \
+                or self.adopted_root:  # a root this run was only pointed at is not trimmed (audit 15, review 14)
+            return
         done = self._keep(lambda info: info.step <= chosen)
         if done is None:
             return

@@ -833,3 +833,19 @@ def test_a_rerun_after_a_killed_supervisor_shows_the_step_it_resumes_from_until_
     assert seen == {"step": 253, "last_checkpoint_step": 253}
     doc = json.loads((run_dir / "state.json").read_text())
     assert doc["step"] == 260 and doc["last_checkpoint_step"] == 260, doc
+
+
+def test_a_rerun_pointed_at_a_root_of_unrecorded_checkpoints_trims_nothing_before_its_first_launch(tmp_path, cli,
+                                                                                                   monkeypatch):
+    """Review 14: a run dir with a history, given another root by --set, said it took the root's unrecorded
+    checkpoints as its own and on the next line removed two of them before the user could act on it."""
+    other, run_dir = tmp_path / "other-jobs-ckpt", tmp_path / "run"
+    for step in (10, 30, 50, 70, 90):
+        write_checkpoint(other, step)
+    killed_supervisors_record(run_dir)
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: finished_attempt(steps=(100,)))
+    r = cli("run", job, "--run-dir", run_dir, "--set", f"checkpoint.dir={other}")
+    assert r.exit_code == 0 and "before the first launch" not in r.output, r.output
+    assert steps(other) == [10, 30, 50, 70, 90, 100]

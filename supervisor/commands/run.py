@@ -338,7 +338,8 @@ def _run(job: str, overrides: list[str], node: str | None) -> int:
             console.event(too_long, style="yellow")
         reap_orphans(layout, cfg, console)
         sup = Supervisor(cfg, layout, console=console, launcher=make_launcher(),
-                         keep_claims=lambda: [claim.reassert() for claim in claims])
+                         keep_claims=lambda: [claim.reassert() for claim in claims],
+                         adopted_root=any(claim.adopted for claim in claims))
         stopping = stop_signals()
         previous = {sig: signal.signal(sig, lambda signum, _frame: sup.request_stop(signum)) for sig in stopping}
         if signal.getsignal(signal.SIGTSTP) is not signal.SIG_IGN:
