@@ -259,14 +259,18 @@ def test_status_notes_a_rank_past_its_hang_limit_before_the_supervisor_judges_it
     rec = _state_file(tmp_path, state=state.RunState.RUNNING)
     now = time.time()
     rec.ranks = [{"rank": 0, "pid": 123, "step": 60, "phase": "train", "heartbeat_at": now - 30, "hang_limit_s": 20.0,
-                  "alive": True},
+                  "heartbeat_age_s": 30.0, "alive": True},
                  {"rank": 1, "pid": 124, "step": 60, "phase": "exited", "heartbeat_at": now - 30, "hang_limit_s": 20.0,
                   "alive": False}]
     state.write(tmp_path / "state.json", rec)
     with RunLock(tmp_path):
         rows = [line.split() for line in cli("status", tmp_path).stdout.splitlines() if line.split()[:1] == ["-"]]
-    assert rows[0][-4] == "silent" and rows[0][-3].startswith("30") and rows[0][-2:] == ["(limit", "20.0s)"], rows
+    assert rows[0][-4:] == ["silent", "30.0s", "(limit", "20.0s)"], rows
     assert rows[1][7:9] == ["-", "no"], rows  # HUNG AFTER, ALIVE of the exited rank (after "30.1s ago")
+    rec.state = state.RunState.RESTARTING  # review 14: a backoff's ranks, judged and gone, turned red
+    state.write(tmp_path / "state.json", rec)
+    with RunLock(tmp_path):
+        assert "silent" not in cli("status", tmp_path).stdout
 
 
 def test_logs_of_a_run_dir_whose_logs_folder_is_a_link_says_so(tmp_path, cli):

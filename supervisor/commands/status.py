@@ -277,13 +277,17 @@ class StatusResult:
             for col in ("NODE", "RANK", "PID", "STEP", "PHASE", "HEARTBEAT", "HUNG AFTER", "ALIVE", "STEPS/S", "NOTE"):
                 ranks.add_column(col, no_wrap=col != "NOTE")
             for n in self.current:
-                for r in n.ranks(self.now):
+                watching = n.supervisor_alive and n.effective_state is RunState.RUNNING
+                for seen, r in zip(n.record.ranks, n.ranks(self.now), strict=True):
                     exited = r.get("phase") == "exited"  # audit 16: an ended rank's age beside a hang limit was noise
                     age, limit = r.get("heartbeat_age_s"), r.get("hang_limit_s")
                     note = r.get("note") or ""
-                    if not note and not exited and p.supervisor_alive and isinstance(age, (int, float)) \
-                            and isinstance(limit, (int, float)) and age > limit:  # past its limit, not judged yet
-                        note = Text(f"silent {render.human_duration(age)} (limit {render.human_duration(limit)})",
+                    # past its limit and not judged yet, by the age its supervisor saw (its own clock, as of its
+                    # last look; review 14: by this clock a stop's frozen rows and a backoff's dead ranks turned red)
+                    silent = seen.get("heartbeat_age_s")
+                    if not note and not exited and watching and r.get("alive") and isinstance(silent, (int, float)) \
+                            and isinstance(limit, (int, float)) and silent > limit:
+                        note = Text(f"silent {render.human_duration(silent)} (limit {render.human_duration(limit)})",
                                     style="red")
                     ranks.add_row(str(r.get("node") or n.record.node or "-"), str(r.get("rank")), str(r.get("pid")),
                                   str(r.get("step", "-")), str(r.get("phase", "-")),
