@@ -340,6 +340,12 @@ def test_gc_of_a_root_named_by_itself_that_a_live_run_holds_is_refused_and_delet
                                     "gc it through that run dir, `resilient gc RUN_DIR --keep N`, which knows the "
                                     "step its ranks are loading, or once the run has ended."), r.stderr
         assert [i.step for i in store.scan(root)] == [10, 20, 30]
+        copy = tmp_path / "copy-of-run"  # review 14: a copy of the run dir shares its outside root
+        copy.mkdir()
+        (copy / "job.json").write_text(json.dumps({"schema_version": 1, "job": {"checkpoint": {"dir": str(root)}}}))
+        r = cli("gc", copy, "--keep", "1")
+        assert r.exit_code == 2 and f"is the checkpoint root of the live run {tmp_path / 'run'}" in r.stderr, r.output
+        assert [i.step for i in store.scan(root)] == [10, 20, 30]
     finally:
         claim.release()
     r = cli("gc", root, "--keep", "1")
