@@ -813,8 +813,9 @@ def aside_path(folder: Path) -> Path:
     return folder.parent / f"{TRASH_PREFIX}{folder.name}.{time.time_ns()}"
 
 
-# aside_path's names, of the checkpoint folders it is given: a folder named otherwise by someone else is theirs
-TRASH_RE = re.compile(r"^\.trash\.step_[0-9]{9}(?:\.partial|\.quarantined(?:\.[0-9]+)?)?\.[0-9]{10,}\Z")
+# aside_path's names, of the checkpoint folders and the spare pool it is given (review 14: a pool whose delete was
+# cut short was never listed again): a folder named otherwise by someone else is theirs
+TRASH_RE = re.compile(r"^\.trash\.(?:step_[0-9]{9}(?:\.partial|\.quarantined(?:\.[0-9]+)?)?|\.spare)\.[0-9]{10,}\Z")
 
 
 def trash_dirs(root: str | os.PathLike) -> list[Path]:
