@@ -288,14 +288,19 @@ def live_holder(root: str | os.PathLike, but: str | None = None) -> dict | None:
 
 def _held_by(path: Path) -> dict | None:
     """Who holds `path` (its recorded JSON), or None when no live process does."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
+    try:  # for writing where it may be: NFS emulates flock with POSIX locks, whose exclusive kind needs it
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:  # (no permission, a read-only mount: as before)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
+            if e.errno == errno.EBADF:  # read-only on NFS (review 14): cannot tell, as before anyone asked
+                return None
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
             try:

@@ -430,15 +430,25 @@ def writer_alive(partial: str | os.PathLike) -> int | None:
     cannot be checked: a save nobody can show to be dead is treated as live), or None if no writer holds it."""
     lock = Path(partial) / WRITER_LOCK
     try:
-        fd = open_regular(lock)
+        try:  # for writing where it may be: NFS emulates flock with POSIX locks, whose exclusive kind needs it
+            fd = open_regular(lock, os.O_RDWR)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            fd = open_regular(lock)
     except FileNotFoundError:
         return None
     except OSError as e:  # no permission, or a link or FIFO in its place; not a passing fault (EMFILE, EIO)
         return UNCHECKABLE if e.errno in (errno.EACCES, errno.EPERM, errno.ELOOP, errno.EINVAL, errno.ENXIO) \
             else None
     try:
-        if _try_lock(fd):
-            return None
+        try:
+            if _try_lock(fd):
+                return None
+        except OSError as e:
+            if e.errno == errno.EBADF:  # read-only on NFS (review 14): cannot tell, so taken as live
+                return UNCHECKABLE
+            raise
         try:
             return int(json.loads(os.pread(fd, 4096, 0) or b"{}").get("pid", 0)) or HELD
         except (ValueError, TypeError, AttributeError, OverflowError):
