@@ -515,6 +515,7 @@ def test_recovery_exercise_rank_logs_and_a_moved_run_dir_that_resumes(tmp_path, 
     # between the two, the supervisor's verdict: the last traceback shown is rank 0's lost connection (audit 16)
     assert "==> attempt 1 ended: worker_signal (rank 1) — rank 1 killed by SIGKILL" in followed, followed[-3000:]
     assert followed.index("==> attempt 1 ended") < followed.index("==> attempt 2: ")
+    assert followed.rstrip().endswith("==> attempt 2 ended: finished — all ranks finished <=="), followed[-500:]
     for k in (1, 2):
         for r in (0, 1):
             link = run_dir / f"logs/attempt_{k}/rank_{r}"

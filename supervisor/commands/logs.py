@@ -282,6 +282,8 @@ def _follow(run_dir: Path, files: list[Path], nodes: list[NodeLogs], rank: int |
             seen_rank = seen_rank or bool(nl.tails)
             _write(nl.read(final=over))
         if over:
+            for nl in by_dir.values():  # the last attempt's verdict too (review 14): the one people follow for
+                _ending(state.read_nodes(files), nl)
             if attempt is not None and not by_dir:  # the run ended (or never ran) without it
                 raise _no_attempt(run_dir, attempt)
             if rank is not None and by_dir and not seen_rank:
