@@ -363,10 +363,11 @@ class Attempt:
         missed, failed = "", None
         if step is not None and (saved is None or saved.step < step):
             cause = ""
-            if rc:  # a rank that died in the stop, as torchrun's log tells (audit 16: only the logs were named,
+            if rc:  # a rank killed in the stop, as torchrun's log tells (audit 16: only the logs were named,
                 found = classify.classify(rc, classify.tail(handle.log_path, 200_000), heartbeats, {})  # where the
-                if found.failed_rank is not None and found.reason not in (api.PREEMPTED, api.FINISHED):  # peer's
-                    cause, failed = f"{found.detail}; ", found.failed_rank  # traceback blamed the wrong rank)
+                if found.failed_rank is not None and found.reason in (api.WORKER_SIGNAL, api.OOM):  # peer's
+                    cause, failed = f"{found.detail}; ", found.failed_rank  # traceback blamed the wrong rank; a
+                    # rank that exited on a lost peer, another node's kill, is not named: review 14)
             missed = f" (none at the stop step {step}: {cause}see the ranks' logs in {self.spec.logs_dir})"
         return AttemptOutcome(api.STOPPED, f"stopped by {name} ({how}); newest valid checkpoint: "
                               f"{saved.step if saved else 'none'}{tier}{missed}{evidence_note}", failed, rc, step,
