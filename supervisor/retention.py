@@ -101,14 +101,14 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
                 spared.append((info, "a live supervisor may still own this save"))
             else:
                 remove.append(Removal(info.path, info.step, info.size_bytes, "abandoned partial save"))
+        elif info.manifest is None and not holds_checkpoint_files(info.path):  # (before the branches below: a
+            spared.append((info, f"{info.reason}: it holds no checkpoint file (a folder of someone else's named "
+                                 "like a checkpoint): remove it by hand"))  # stranger's folder of any step; review 14)
         elif owner_alive and not older:
             spared.append((info, "newer than the newest valid and the run is live (kept as evidence)"))
         elif not older and newest_valid is not None:  # audit 15: one stray file, and gc deleted an intact newest save
             spared.append((info, f"{info.status.value} ({info.reason}), newer than the newest valid: kept for you "
                                  "to look at; the next `resilient run` sets it aside, or remove it by hand"))
-        elif info.manifest is None and not _holds_checkpoint_files(info.path):
-            spared.append((info, f"{info.reason}: it holds no checkpoint file (a folder of someone else's named "
-                                 "like a checkpoint): remove it by hand"))
         elif newest_valid is None:
             spared.append((info, f"{info.status.value} ({info.reason}), but no valid checkpoint is left here: kept as "
                                  "all that remains of the run's progress; remove it by hand once understood"))
@@ -125,7 +125,7 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
     return Plan(kept, remove, spared)
 
 
-def _holds_checkpoint_files(folder: Path) -> bool:
+def holds_checkpoint_files(folder: Path) -> bool:
     """Whether `folder` holds a file a save writes (DCP's `.distcp` files and `.metadata`, the marker): a folder
     without one was not written by resilient (audit 15: a user's `step_000000007/notes.txt` was deleted)."""
     try:

@@ -199,9 +199,16 @@ def test_retention_leaves_a_folder_named_like_a_checkpoint_that_holds_no_checkpo
     (tmp_path / "step_000000007" / "notes.txt").write_text("mine")
     cut = write_checkpoint(tmp_path, 5)
     os.unlink(cut / store.MARKER)
+    (tmp_path / "step_000000020").mkdir()  # review 14: newer than the newest valid, it was "damaged, newer"
+    (tmp_path / "step_000000020" / "notes.txt").write_text("mine")
     p = retention.plan(tmp_path, store.scan(tmp_path), keep=1, owner_alive=False)
     assert [r.step for r in p.remove] == [5]
-    assert [(c.step, why.split(": ")[-1]) for c, why in p.spared] == [(7, "remove it by hand")]
+    assert [(c.step, why.split(": ")[-1]) for c, why in p.spared] == [(7, "remove it by hand"),
+                                                                      (20, "remove it by hand")]
+    from supervisor.resume import choose_resume
+
+    choice = choose_resume(tmp_path, "size")
+    assert choice.step == 10 and choice.corrupt == []  # passed over, and not set aside with a QUARANTINE.json
 
 
 def test_retention_never_touches_a_partial_with_a_live_writer(tmp_path):
