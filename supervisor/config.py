@@ -455,7 +455,9 @@ def _path(loc: _Loc, key: str) -> str:
     if "\x00" in loc.value:
         raise _fail(loc, key, "a path without a NUL character")
     if var := re.search(r"\$(\w+|\{[^}]*\})", loc.value):  # audit 15: a folder named `$HOME` was made
-        raise _fail(loc, key, f"a path written out: resilient does not expand {var.group(0)} (only a leading ~)")
+        node = " ({node}, without the $, is the one name it fills in)" if var.group(0) == "${node}" else ""
+        raise _fail(loc, key, f"a path written out: resilient does not expand {var.group(0)} (only a leading "
+                              f"~){node}")
     try:
         encoded = os.fsencode(loc.value)
     except UnicodeEncodeError:  # a lone surrogate ("\ud800"), which YAML's escapes allow

@@ -175,7 +175,7 @@ def described(hint: Any) -> str:
     if hint in words:
         return words[hint]
     if origin is list:
-        return f"a list of {described(args[0]).removeprefix('an ').removeprefix('a ')}s" if args else "a list"
+        return f"a list, each {described(args[0])}" if args else "a list"
     if origin is dict or hint is dict:
         return "an object"
     return getattr(hint, "__name__", str(hint))
@@ -252,6 +252,26 @@ def pid_running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+START_SLACK_S = 2.0  # psutil's creation time is whole-second coarse
+
+
+def rank_process(pid: Any, started_at: Any) -> psutil.Process | None:
+    """The running process a rank record names (its pid and the time the rank started), or None: gone, a zombie, or
+    a pid another process took since (created after the rank started). `run` stops such ranks left by a dead
+    supervisor, and `status` shows them alive (review 14: the two judged it each their own way)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        if isinstance(started_at, (int, float)) and p.create_time() > float(started_at) + START_SLACK_S:
+            return None
+        return p
+    except psutil.Error:
+        return None
 
 
 @functools.cache

@@ -321,8 +321,8 @@ def test_status_of_a_dead_supervisors_run_charges_the_steps_beyond_the_newest_ch
 
 def test_status_of_a_dead_supervisors_run_shows_its_ranks_that_still_run_as_alive(tmp_path):
     """Audit 16: with the supervisor SIGKILLed, every rank showed ALIVE `no`, a stopped orphan still running among them.
-    A rank is asked again on its own machine; a pid another process took since (started after the rank's last beat)
-    is not the rank."""
+    A rank is asked again on its own machine; a pid another process took since (created after the rank started) is
+    not the rank."""
     import socket
     import subprocess
     import time
@@ -335,9 +335,9 @@ def test_status_of_a_dead_supervisors_run_shows_its_ranks_that_still_run_as_aliv
     now = time.time()
     rec = RunRecord(name="tiny", run_dir=".", checkpoint_dir="checkpoints",
                     supervisor={"pid": 1, "host": socket.gethostname()},
-                    ranks=[{"rank": 0, "pid": os.getpid(), "heartbeat_at": now, "alive": True},
-                           {"rank": 1, "pid": gone.pid, "heartbeat_at": now, "alive": True},
-                           {"rank": 2, "pid": os.getpid(), "heartbeat_at": now - 10 ** 7, "alive": True}])
+                    ranks=[{"rank": 0, "pid": os.getpid(), "started_at": now, "alive": True},
+                           {"rank": 1, "pid": gone.pid, "started_at": now, "alive": True},
+                           {"rank": 2, "pid": os.getpid(), "started_at": now - 10 ** 7, "alive": True}])
     node = NodeStatus(rec, tmp_path, supervisor_alive=False)
     assert [r["alive"] for r in node.ranks(now)] == [True, False, False]
     rec.supervisor["host"] = "another-host"  # another machine's pids are not this one's

@@ -155,8 +155,8 @@ def _local_tier(root: Path) -> bool:
 @contextlib.contextmanager
 def _replication_paused(root: Path) -> Iterator[None]:
     """A durable tier the nodes' supervisors replicate into: hold their lock while gc judges and deletes, so
-    that no node enters a partial gc found unheld, and no publish is under way (it drops the partial's writer
-    lock before its rename). Brief for them: a node holds it to enter a partial or to publish one."""
+    that no node enters a partial gc found unheld, and no publish is under way (a node's copy writes its part
+    and publishes under it). Brief for them: a node holds it to enter a partial or to publish one."""
     deadline = time.monotonic() + LOCK_WAIT_S
     while True:
         with root_lock(root, fcntl.LOCK_EX | fcntl.LOCK_NB, create=False) as free:

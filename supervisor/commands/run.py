@@ -31,6 +31,7 @@ from supervisor.layout import (
     looks_like_run_dir,
 )
 from supervisor.lock import OWNERS_DIR, RootClaim, RunLock
+from supervisor.protocol import rank_process
 
 OWN_PACKAGES = ("supervisor", "train_entry")
 
@@ -176,7 +177,6 @@ def node_name(cfg: JobConfig, node: str | None) -> str | None:
     return name
 
 
-ORPHAN_START_SLACK_S = 2.0
 
 
 def reap_orphans(layout: RunLayout, cfg: JobConfig, console: EventConsole) -> None:
@@ -189,14 +189,10 @@ def reap_orphans(layout: RunLayout, cfg: JobConfig, console: EventConsole) -> No
                            "torch.distributed.run") if m]
     procs = []
     for r in prev.ranks:
-        with contextlib.suppress(psutil.Error, KeyError, TypeError, ValueError):
-            p = psutil.Process(int(r["pid"]))
-            # The rank's own start time: a pid reused since belongs to a process created after it (psutil's
-            # creation time is whole-second coarse).
-            if r.get("started_at") and p.create_time() > float(r["started_at"]) + ORPHAN_START_SLACK_S:
-                continue
+        with contextlib.suppress(psutil.Error):
+            p = rank_process(r.get("pid"), r.get("started_at"))  # not a pid another process took since
             # A relaunched attempt's ranks are forks of the prewarm server: their command line is the server's.
-            if prewarm.forked_by_server(p) or any(m in " ".join(p.cmdline()) for m in markers):
+            if p is not None and (prewarm.forked_by_server(p) or any(m in " ".join(p.cmdline()) for m in markers)):
                 procs.append(p)
     if not procs:
         return

@@ -46,25 +46,13 @@ class NodeStatus:
             if r.get("heartbeat_at") is not None:
                 r["heartbeat_age_s"] = round(max(0.0, now - r["heartbeat_at"]), 2)
             if not self.supervisor_alive:  # its record is old: asked again (audit 16: an orphaned rank showed `no`)
-                r["alive"] = self.on_this_host and _still_runs(r.get("pid"), r.get("heartbeat_at"))
+                r["alive"] = self.on_this_host and protocol.rank_process(r.get("pid"), r.get("started_at")) is not None
             out.append(r)
         return out
 
     @property
     def on_this_host(self) -> bool:
         return on_this_host(self.record.supervisor)
-
-
-def _still_runs(pid: Any, beat_at: Any) -> bool:
-    """Whether the process `pid` that beat at `beat_at` still runs here: a pid taken since by another process
-    started after that beat."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not isinstance(beat_at, (int, float)):
-        return False
-    try:
-        proc = psutil.Process(pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= beat_at + 1.0
-    except psutil.Error:
-        return False
 
 
 @dataclass
