@@ -200,7 +200,8 @@ class HashedFile:
         # `reuse`: the file's pages are written over, not freed and taken again (close() cuts off any tail)
         fd = _open_over(self.path) if reuse else None
         self.reuse = fd is not None
-        self.fd = fd if fd is not None else os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = fd if fd is not None else os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                                                    | os.O_CLOEXEC, 0o644)
         self.direct_fd: int | None = None
         if direct and hasattr(os, "O_DIRECT"):
             try:

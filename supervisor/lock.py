@@ -32,8 +32,12 @@ class RunLock:
         """Take the lock or raise RunLockedError naming the holder."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # never through a link: its target was truncated and written over (a run dir is the user's)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as e:  # `resilient run` checks first; this is the race with a remount
+            if e.errno == errno.ELOOP:
+                raise ConfigError(f"{self.path} is a link to {os.path.realpath(self.path)}: resilient writes a run's "
+                                  "own files only inside its run dir; remove the link; nothing was launched.") from None
             raise UsageError(f"{self.path.parent}: cannot take the run dir's lock ({e.strerror}); make the run dir "
                              "writable, or pick another --run-dir.") from None
         try:
@@ -134,7 +138,7 @@ class RootClaim:
     def _open_mutex_raw(self) -> int:
         owners = self.root / OWNERS_DIR
         owners.mkdir(parents=True, exist_ok=True)
-        return os.open(owners / "claim.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return os.open(owners / "claim.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
 
     def _open_mutex(self) -> int:
         try:
@@ -162,7 +166,7 @@ class RootClaim:
     def _hold(self, owners: Path) -> int:
         """This run's lock file in `owners`, made if need be, held shared, saying who holds it; its fd."""
         path = owners / self._name()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)  # a link: ELOOP
         with _named_on_error(fd, path):
             fcntl.flock(fd, fcntl.LOCK_SH)
             info = json.dumps({"run_dir": str(self.run_dir), "pid": os.getpid(), "host": socket.gethostname(),

@@ -125,7 +125,7 @@ def root_lock(root: Path, mode: int, *, create: bool = True) -> Iterator[bool]:
     one this process cannot write (a read-only mount, another user's root): it can delete nothing there, which
     is all the lock guards against (gc says so itself)."""
     try:
-        fd = os.open(root / ROOT_LOCK, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+        fd = os.open(root / ROOT_LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
     except FileNotFoundError:
         if create:
             raise
@@ -504,7 +504,7 @@ class Replicator:
             if not store.real_folder(partial):  # review 13: copied into a link's folder, whose files were then unlinked
                 raise OSError(errno.ENOTDIR, "a link or a file, not a folder: resilient copies and deletes nothing "
                               "through it (remove it)", str(partial))
-            live = os.open(partial / store.WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            live = os.open(partial / store.WRITER_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             try:
                 fcntl.flock(live, fcntl.LOCK_SH)  # gc and retention: a writer is at work here
                 if mine.exists() and _save_of(_read_part(mine)) != _save_of(manifest.files):

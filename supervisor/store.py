@@ -599,7 +599,7 @@ def begin(root: str | os.PathLike, step: int) -> PartialCheckpoint:
                                "two jobs must not share a checkpoint root")
         shutil.rmtree(path)
     path.mkdir()
-    fd = os.open(path / WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path / WRITER_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     # A scan (status, gc, retention) asking writer_alive holds the lock for an instant: waited out, not taken for
     # another writer (review 13: a `status --watch` at that instant failed the save).
     deadline = time.monotonic() + BEGIN_LOCK_WAIT_S

@@ -850,3 +850,24 @@ def test_a_rerun_pointed_at_a_root_of_unrecorded_checkpoints_trims_nothing_befor
     r = cli("run", job, "--run-dir", run_dir, "--set", f"checkpoint.dir={other}")
     assert r.exit_code == 0 and "before the first launch" not in r.output, r.output
     assert steps(other) == [10, 30, 50, 70, 90, 100]
+
+
+def test_a_lock_file_in_the_run_dir_that_is_a_link_is_refused_and_its_target_left_alone(tmp_path, cli, monkeypatch):
+    """Found reading review 13's link cases: the run dir's supervisor.lock, a link, was opened through it: the file
+    it led to was truncated and written with the supervisor's pid."""
+    run_dir, victim = tmp_path / "run", tmp_path / "victim.txt"
+    run_dir.mkdir()
+    victim.write_text("precious")
+    (run_dir / "supervisor.lock").symlink_to(victim)
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: finished_attempt(steps=(10,)))
+    r = cli("run", job, "--run-dir", run_dir)
+    assert r.exit_code == 2 and f"{run_dir / 'supervisor.lock'} is a link to {victim}" in r.stderr, r.output
+    assert victim.read_text() == "precious" and sorted(p.name for p in run_dir.iterdir()) == ["supervisor.lock"]
+    from supervisor.errors import ConfigError
+    from supervisor.lock import RunLock
+
+    with pytest.raises(ConfigError, match="is a link to"):  # the lock itself, past the check (a race)
+        RunLock(run_dir).acquire()
+    assert victim.read_text() == "precious"

@@ -22,6 +22,7 @@ from supervisor.errors import ConfigError, ResilientError, UsageError
 from supervisor.fsutil import NO_ROOM, how_to_make_writable, node_local_locks, read_json, write_problem
 from supervisor.layout import (
     HEARTBEATS_DIR,
+    LOCK_FILE,
     LOGS_DIR,
     RUN_DIR_NAMES,
     STATE_FILE,
@@ -152,12 +153,13 @@ def check_no_links_out(cfg: JobConfig, layout: RunLayout, local: Path | None) ->
     locks elsewhere). A linked checkpoint root is the user's choice of disk, and is named at the start."""
     node_dir = layout.node_dir
     own = [*((node_dir, node_dir.parent) if layout.node else ()), node_dir / LOGS_DIR, node_dir / HEARTBEATS_DIR,
-           node_dir / STEPS_DIR, *(root / OWNERS_DIR for root in (cfg.checkpoint.dir, local) if root is not None)]
+           node_dir / STEPS_DIR, *(root / OWNERS_DIR for root in (cfg.checkpoint.dir, local) if root is not None),
+           node_dir / LOCK_FILE, layout.run_dir / LOCK_FILE]  # written in place: a link's target was overwritten
     for path in own:
         if path.is_symlink():
             raise ConfigError(f"{path} is a link to {os.path.realpath(path)}: resilient writes a run's own files only "
-                              "inside its run dir and checkpoint roots; replace the link with a folder (or give the "
-                              "run a run dir where you want them); nothing was launched.")
+                              "inside its run dir and checkpoint roots; remove the link (resilient makes its own "
+                              "there), or give the run a run dir where you want them; nothing was launched.")
 
 
 def node_name(cfg: JobConfig, node: str | None) -> str | None:
