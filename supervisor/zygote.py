@@ -74,7 +74,7 @@ def serve() -> NoReturn:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
-    fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)  # never through a link
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)

@@ -67,7 +67,7 @@ class Beater:
             Path(self.folder).mkdir(parents=True, exist_ok=True)
         if self.step_log:
             self.step_log.parent.mkdir(parents=True, exist_ok=True)
-            self._log_fd = os.open(self.step_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._log_fd = os.open(self.step_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         self._write()
         self._thread.start()
         # A rank that dies of an exception still leaves its last step and the error in its heartbeat.
