@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from supervisor import api, retention, store
+from supervisor import api, store
 from supervisor.api import AttemptOutcome, Decision, ResumeChoice
 from supervisor.config import CheckpointConfig
 from supervisor.console import EventConsole
@@ -39,7 +39,7 @@ def choose_resume(root: Path, verify: str, below: int | None = None, below_why: 
         skipped.append((path.name, f"{info.status.value}: {info.reason}"))
         # set aside, but not a folder of someone else's that holds no checkpoint file (review 14)
         if info.status is store.Status.CORRUPT and not info.partial and \
-                (info.manifest is not None or retention.holds_checkpoint_files(info.path)):
+                (info.manifest is not None or store.holds_checkpoint_files(info.path)):
             corrupt.append(info)
     return ResumeChoice(None, None, skipped, corrupt)
 

@@ -101,7 +101,7 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
                 spared.append((info, "a live supervisor may still own this save"))
             else:
                 remove.append(Removal(info.path, info.step, info.size_bytes, "abandoned partial save"))
-        elif info.manifest is None and not holds_checkpoint_files(info.path):  # (before the branches below: a
+        elif info.manifest is None and not store.holds_checkpoint_files(info.path):  # (before the branches below: a
             spared.append((info, f"{info.reason}: it holds no checkpoint file (a folder of someone else's named "
                                  "like a checkpoint): remove it by hand"))  # stranger's folder of any step; review 14)
         elif owner_alive and not older:
@@ -123,15 +123,6 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
             remove.append(Removal(root / store.SPARE_DIR, None, sum(spares.values()),
                                   "data files of deleted checkpoints that a run kept for its next saves"))
     return Plan(kept, remove, spared)
-
-
-def holds_checkpoint_files(folder: Path) -> bool:
-    """Whether `folder` holds a file a save writes (DCP's `.distcp` files and `.metadata`, the marker): a folder
-    without one was not written by resilient (audit 15: a user's `step_000000007/notes.txt` was deleted)."""
-    try:
-        return any(e.name.endswith(".distcp") or e.name in (".metadata", store.MARKER) for e in os.scandir(folder))
-    except OSError:
-        return True  # unknown: judged as before
 
 
 def named(removals: Sequence[Removal]) -> str:

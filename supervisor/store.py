@@ -36,6 +36,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
@@ -53,6 +54,8 @@ from typing import Any
 
 from supervisor import __version__
 from supervisor.fsutil import atomic_write_bytes, exchange, fsync_dir, open_regular, parse_json, read_regular
+
+log = logging.getLogger("resilient")
 
 FORMAT = "resilient-checkpoint"
 SCHEMA_VERSION = 1
@@ -529,6 +532,18 @@ def saved_time(created_at: float | None, extra: dict[str, Any]) -> float | None:
     return float(saved) if isinstance(saved, (int, float)) and not isinstance(saved, bool) else created_at
 
 
+def holds_checkpoint_files(folder: Path) -> bool:
+    """Whether `folder` holds a file a save writes (DCP's `.distcp` files and `.metadata`, the marker): a folder
+    without one was not written by resilient (audit 15: a user's `step_000000007/notes.txt` was deleted)."""
+    try:
+        return any(e.name.endswith(".distcp") or e.name in (".metadata", MARKER) for e in os.scandir(folder))
+    except OSError:
+        return True  # unknown: judged as before
+
+
+NOT_OURS_SUFFIX = ".not-resilient"  # a stranger's folder named like a checkpoint, moved off the name a save takes
+
+
 def publish(partial: Path, step: int, world_size: int, records: Sequence[FileRecord],
             extra: dict[str, Any] | None = None, algorithm: str = CHECKSUM_ALGORITHM) -> Path:
     """Write the marker last and rename `partial` to `step_<N>` beside it; returns the committed folder.
@@ -561,6 +576,13 @@ def publish(partial: Path, step: int, world_size: int, records: Sequence[FileRec
     if final.exists() and inspect(final).status is Status.UNREADABLE:
         # Nothing is known about its bytes, and such a folder is never deleted: set aside, kept for its owner.
         quarantine(final, f"an unreadable step_{step:09d} found when this step was saved again")
+    elif final.is_dir() and not final.is_symlink() and not holds_checkpoint_files(final):
+        # Someone else's folder under the name: moved off it whole, under a name no scan takes (audit 17: the save
+        # swapped in and deleted the user's step_000000100/notes.txt without a word).
+        kept = root / f"{final.name}{NOT_OURS_SUFFIX}.{time.time_ns()}"
+        os.rename(final, kept)
+        log.warning("%s held no checkpoint file (someone else's folder): moved to %s, untouched, for step %d's save",
+                    final, kept.name, step)
     if final.exists():
         # An older attempt's folder for the same step (invalid, or superseded after a rollback): swapped with this
         # one in one step where the filesystem can (review 13: a crash between two renames left neither as step_N,

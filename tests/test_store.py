@@ -693,3 +693,15 @@ def test_a_shared_root_whose_mount_keeps_flock_on_each_node_is_told_apart():
     assert node_local_locks("/home/u/ckpt", info) is None
     assert node_local_locks("/ok dir/ckpt", info) == "nfs with nolock"
     assert node_local_locks("/tmp/x", info) is None
+
+
+def test_a_save_of_a_step_whose_name_a_strangers_folder_holds_moves_that_folder_off_it_whole(tmp_path):
+    """Audit 17: gc and retention left a user's step_000000100/notes.txt alone, and then the run's save of step 100
+    swapped itself in and deleted the folder with the user's file in it, without a word."""
+    (tmp_path / "step_000000100").mkdir()
+    (tmp_path / "step_000000100" / "notes.txt").write_text("mine")
+    final = write_checkpoint(tmp_path, 100)
+    assert store.inspect(final, deep=True).valid
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("step_000000100.not-resilient.")]
+    assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "mine"
+    assert [i.step for i in store.scan(tmp_path, quarantined=True)] == [100]  # no scan takes it for a checkpoint
