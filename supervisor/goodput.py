@@ -109,6 +109,7 @@ class Accounting:
     wall_before_s: float = 0.0  # supervised wall time of earlier `resilient run` invocations
     session_started: float | None = None
     down_s: float = 0.0
+    in_backoff: bool = False  # between a failed attempt and the next launch: the down time so far is shown live
 
     # ---- events -----------------------------------------------------------------------------------
 
@@ -121,6 +122,7 @@ class Accounting:
             self.session_started = None
 
     def launch(self, attempt: int, t: float, resume_step: int | None) -> None:
+        self.in_backoff = False
         relaunch = False
         if self.attempts:
             prev = self.attempts[-1]
@@ -133,10 +135,16 @@ class Accounting:
     def down_until(self, t: float) -> None:
         """The session ends between attempts (a stop in the backoff): the time since this session's last attempt
         ended is down time, as it is when a relaunch follows (audit 8: the parts no longer added up to the wall)."""
+        self.in_backoff = False
+        self.down_s += self._down_since_end(t)
+
+    def _down_since_end(self, t: float) -> float:
+        """Time since this session's last attempt ended, if it did in this session."""
         prev = self.attempts[-1] if self.attempts else None
         if prev is not None and prev.ended_at is not None and self.session_started is not None \
                 and prev.ended_at >= self.session_started:
-            self.down_s += max(0.0, t - prev.ended_at)
+            return max(0.0, t - prev.ended_at)
+        return 0.0
 
     def resumed(self, step: int | None) -> None:
         """The ranks of the current attempt resumed from `step`, which may differ from what it was launched with
@@ -242,7 +250,8 @@ class Accounting:
             "lost_steps": sum(a.lost_steps for a in self.attempts),
             "lost_s": sum(a.lost_work_s for a in self.attempts),
             "tail_s": sum(a.tail_s for a in self.attempts),
-            "down_s": self.down_s,
+            # a backoff under way, live (audit 17: booked only at the launch, the parts fell short by it)
+            "down_s": self.down_s + (self._down_since_end(now) if self.in_backoff else 0.0),
             "open_s": self._open_s(now),
             "attempts": len(self.attempts),
             "goodput": useful / wall if wall > 0 else None,

@@ -484,6 +484,8 @@ class Supervisor:
         """Set aside what the decision says, wait the backoff; returns the step to resume below, if any."""
         self.resume.set_aside(decision)
         self._settle()  # `status` in the backoff: the failed attempt's lost steps now (the launch charges anew)
+        self.accounting.in_backoff = True  # and its down time as it grows
+        self.record.ranks = []  # ended: the history row says how (audit 17: listed as if training, a hang limit on)
         self._transition(RunState.RESTARTING)
         if decision.resume_below is not None:
             if not decision.quarantine_once_older_loads:

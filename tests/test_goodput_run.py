@@ -136,3 +136,24 @@ def test_the_running_attempts_time_since_its_last_step_is_shown_so_the_parts_add
     assert summary_line(s).endswith(", since the last step 18.0s")
     acc.end(21.0)
     assert acc.summary(21.0)["open_s"] == 0.0 and "since the last step" not in summary_line(acc.summary(21.0))
+
+
+def test_a_backoff_under_way_is_down_time_as_it_grows():
+    """Audit 17: the backoff was booked only at the next launch; until then the parts fell short by it."""
+    from supervisor.goodput import Accounting
+
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, None)
+    for s in range(1, 11):
+        acc.step(s, 1.0 + 0.1 * s)
+    acc.end(2.5)
+    acc.settle(None)
+    acc.in_backoff = True
+    s = acc.summary(12.5)
+    assert s["down_s"] == pytest_approx(10.0)
+    parts = sum(s[k] for k in ("startup_s", "useful_s", "checkpoint_blocking_s", "stalled_s", "lost_s", "tail_s",
+                               "down_s", "open_s"))
+    assert parts == pytest_approx(12.5), s
+    acc.launch(2, 14.0, None)  # booked for good once, not twice
+    assert not acc.in_backoff and acc.summary(14.0)["down_s"] == pytest_approx(11.5)
