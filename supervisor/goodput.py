@@ -223,7 +223,13 @@ class Accounting:
         kept_until = max(r, start)
         a.lost_steps = a.last_step - kept_until
         t_kept = a.saved_at.get(str(kept_until)) if kept_until > start else None
-        a.lost_s = a.last_step_at - t_kept if t_kept is not None else a.train_s
+        if t_kept is not None:
+            a.lost_s = a.last_step_at - t_kept
+        elif kept_until > start and a.steps_run > 1:  # a save no step log of this supervisor's showed (its ranks
+            # committed it after it died): the lost steps at the attempt's own pace, not its whole training (audit 17)
+            a.lost_s = min(a.train_s, a.lost_steps * a.train_s / (a.steps_run - 1))
+        else:
+            a.lost_s = a.train_s
         a.lost_blocking_s = sum(b for s, b in a.blocking_by_step.items() if int(s) > kept_until)
 
     # ---- results ----------------------------------------------------------------------------------

@@ -157,3 +157,20 @@ def test_a_backoff_under_way_is_down_time_as_it_grows():
     assert parts == pytest_approx(12.5), s
     acc.launch(2, 14.0, None)  # booked for good once, not twice
     assert not acc.in_backoff and acc.summary(14.0)["down_s"] == pytest_approx(11.5)
+
+
+def test_lost_steps_past_a_save_no_step_log_showed_are_charged_at_the_attempts_pace():
+    """Audit 17: the ranks of a killed supervisor committed step 200 after it died; the 1 step past it was charged
+    the whole attempt's training (15 s, goodput 18.8%)."""
+    from supervisor.goodput import Accounting
+
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, 150)
+    for s in range(151, 191):  # 0.1 s a step; the supervisor saw up to 190 and no save of 200
+        acc.step(s, 1.0 + 0.1 * (s - 150))
+    acc.ranks_went_on(1, 201)
+    acc.end(6.0)
+    acc.settle(200)
+    s = acc.summary(6.0)
+    assert s["lost_steps"] == 1 and s["lost_s"] == pytest_approx(0.1), s
