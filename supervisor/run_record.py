@@ -3,11 +3,12 @@ file, set aside when damaged, or carried over from the nodes before this one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 
-from supervisor import __version__, state
+from supervisor import __version__, state, store
 from supervisor.config import JobConfig
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError
@@ -41,9 +42,20 @@ def open_record(cfg: JobConfig, layout: RunLayout, console: EventConsole) -> tup
                     max_restarts=cfg.restart.max_restarts, min_nodes=cfg.nnodes_range[0])
     if prev is not None:  # a rerun keeps the history, so status tells the whole story
         rec.history, rec.step, rec.last_checkpoint_step = prev.history, prev.step, prev.last_checkpoint_step
-        rec.quarantined = prev.quarantined
-        # Its supervisor died (kill -9, a lost node): the attempt it left open is closed from its own node's files.
+        rec.quarantined, rec.attempt = prev.quarantined, prev.attempt
+        # Its supervisor died (kill -9, a lost node): the attempt it left open is closed from its own node's files,
+        # and the step and checkpoint are where its ranks went on to (audit 17: for the start-up's first second
+        # status showed the dead supervisor's last word, 264/250, where 280/280 was the truth)
+        was_open = bool(prev.history) and prev.history[-1].ended_at is None
         state.close_lost_attempt(prev, RunLayout(cfg.run_dir, prev.node).node_dir)
+        if was_open:
+            logged = prev.history[-1].step_at_failure
+            rec.step = max((s for s in (rec.step, logged) if s is not None), default=None)
+            newest = None
+            with contextlib.suppress(OSError):  # a root that cannot be read now: the launch's choice says it
+                newest = store.latest_valid(cfg.checkpoint.dir) if cfg.checkpoint.dir.is_dir() else None
+            if newest is not None and (rec.last_checkpoint_step is None or newest.step > rec.last_checkpoint_step):
+                rec.last_checkpoint_step = newest.step
         rec.accounting, rec.restarts = prev.accounting, prev.restarts
         if own:  # this node's own tiers (a predecessor's were another node's): a failing durable tier's outage
             rec.replication = prev.replication  # goes on being timed (review 12: it was never carried)

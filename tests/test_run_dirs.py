@@ -815,7 +815,7 @@ def test_a_rerun_after_a_killed_supervisor_shows_the_step_it_resumes_from_until_
     for step in (200, 253):
         write_checkpoint(run_dir / "checkpoints", step)
     rec = state.RunRecord(name="demo", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.RUNNING,
-                          step=240, last_checkpoint_step=200)
+                          step=240, last_checkpoint_step=200, attempt=1)
     rec.history.append(state.AttemptRecord(attempt=1, started_at=1.0, resumed_from_step=None))
     state.write(run_dir / "state.json", rec)
     job = tmp_path / "job.yaml"
@@ -825,13 +825,24 @@ def test_a_rerun_after_a_killed_supervisor_shows_the_step_it_resumes_from_until_
     def launch(cfg, spec, handover):
         doc = json.loads((run_dir / "state.json").read_text())
         seen.update(step=doc["step"], last_checkpoint_step=doc["last_checkpoint_step"])
+        seen.update(first=first)
         write_heartbeat(spec.heartbeat_dir, Heartbeat(rank=0, pid=2**22, world_size=2, phase="startup", step=0))
         return finished_attempt(steps=(260,))(cfg, spec, handover)
 
+    first = {}
+    real_write = state.write
+
+    def first_write(path, record):  # audit 17: the start-up's first record said 240/200 and attempt 0
+        if not first:
+            first.update(step=record.step, last_checkpoint_step=record.last_checkpoint_step, attempt=record.attempt)
+        real_write(path, record)
+
+    monkeypatch.setattr(state, "write", first_write)
     monkeypatch.setattr("supervisor.commands.run.make_launcher", lambda: launch)
     r = cli("run", job, "--run-dir", run_dir)
     assert r.exit_code == 0 and "resuming from step 253" in r.output, r.output
-    assert seen == {"step": 253, "last_checkpoint_step": 253}
+    assert seen["step"] == 253 and seen["last_checkpoint_step"] == 253, seen
+    assert first == {"step": 240, "last_checkpoint_step": 253, "attempt": 1}, first  # no step log: beats say 240
     doc = json.loads((run_dir / "state.json").read_text())
     assert doc["step"] == 260 and doc["last_checkpoint_step"] == 260, doc
 
