@@ -11,6 +11,7 @@ accounting, the `auto` interval, retention and the local tier's replicator.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -232,6 +233,10 @@ class Supervisor:
 
     def _quarantined(self, entry: dict[str, Any]) -> None:
         self.record.quarantined = [*self.record.quarantined, entry]
+        if entry.get("step") == self.record.last_checkpoint_step:  # set aside: no longer the one to resume from
+            with contextlib.suppress(OSError):  # (audit 17: status went on naming it, and called it "gone")
+                newest = store.latest_valid(self.cfg.checkpoint.dir)
+                self.record.last_checkpoint_step = newest.step if newest is not None else None
 
     def _next_attempt_number(self) -> int:
         """After the last recorded attempt, and after every attempt's logs folder (a history lost with a damaged

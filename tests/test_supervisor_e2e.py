@@ -398,6 +398,8 @@ def test_nan_rolls_back_once_then_stops(tmp_path):
     assert console.count("checkpoint step 40 committed") == 2, console  # the rollback's commit was not said
     # the step rolled back past is set aside once step 20 loads: no later relaunch takes it by its number (review 13)
     assert [(q["step"], "non-finite" in q["reason"]) for q in doc["quarantined"]] == [(40, True)], doc["quarantined"]
+    # ... and the record's last valid checkpoint is never the one set aside (audit 17); the new training's 40 is
+    assert doc["last_checkpoint_step"] == 40 and store.inspect(run_dir / "checkpoints" / "step_000000040").valid
 
 
 def test_a_module_that_cannot_be_imported_is_a_config_error(tmp_path):

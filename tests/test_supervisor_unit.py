@@ -1625,3 +1625,16 @@ def test_the_records_step_is_not_a_rank_starting_up_or_loading():
     assert me.run_record.step == 253 and not me._step_shown
     Attempt._show_step(me, {0: hb(0, phase="train", step=254), 1: hb(1, phase="load", step=0)})
     assert me.run_record.step == 254
+
+
+def test_a_checkpoint_set_aside_is_no_longer_the_records_last_valid_one(tmp_path):
+    """Audit 17: after a NaN's rollback set step 100 aside, status went on saying "last valid checkpoint 100 (not
+    valid on disk now: gone)"."""
+    from supervisor.layout import RunLayout
+    from supervisor.supervise import Supervisor
+
+    _, cfg = supervisor_over(tmp_path, keep=3, steps=(50, 100))
+    sup = Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None)
+    sup.record.last_checkpoint_step = 100
+    sup.resume.quarantine(cfg.checkpoint.dir / "step_000000100", "the loss became non-finite after it")
+    assert sup.record.last_checkpoint_step == 50 and sup.record.quarantined[0]["step"] == 100
