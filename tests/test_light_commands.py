@@ -271,6 +271,15 @@ def test_status_notes_a_rank_past_its_hang_limit_before_the_supervisor_judges_it
     state.write(tmp_path / "state.json", rec)
     with RunLock(tmp_path):
         assert "silent" not in cli("status", tmp_path).stdout
+    # Audit 17: its supervisor not writing (stopped): the rank's own beat, aged here, where its supervisor's view froze
+    rec.state = state.RunState.RUNNING
+    rec.ranks[0].update(pid=os.getpid(), started_at=now - 60, heartbeat_age_s=1.0)
+    state.write(tmp_path / "state.json", rec)
+    doc = json.loads((tmp_path / "state.json").read_text())
+    (tmp_path / "state.json").write_text(json.dumps({**doc, "updated_at": now - 120}))
+    with RunLock(tmp_path):
+        text = " ".join(cli("status", tmp_path).stdout.split())
+    assert re.search(r"silent 30\.\ds \(limit 20\.0s\), and nothing watches it", text), text
 
 
 def test_logs_of_a_run_dir_whose_logs_folder_is_a_link_says_so(tmp_path, cli):

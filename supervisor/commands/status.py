@@ -264,19 +264,22 @@ class StatusResult:
             ranks = Table(box=None, pad_edge=False, title="ranks", title_justify="left", title_style="bold")
             for col in ("NODE", "RANK", "PID", "STEP", "PHASE", "HEARTBEAT", "HUNG AFTER", "ALIVE", "STEPS/S", "NOTE"):
                 ranks.add_column(col, no_wrap=col != "NOTE")
+            stale = self.supervisor_stale() is not None
             for n in self.current:
                 watching = n.supervisor_alive and n.effective_state is RunState.RUNNING
                 for seen, r in zip(n.record.ranks, n.ranks(self.now), strict=True):
                     exited = r.get("phase") == "exited"  # audit 16: an ended rank's age beside a hang limit was noise
                     age, limit = r.get("heartbeat_age_s"), r.get("hang_limit_s")
                     note = r.get("note") or ""
-                    # past its limit and not judged yet, by the age its supervisor saw (its own clock, as of its
-                    # last look; review 14: by this clock a stop's frozen rows and a backoff's dead ranks turned red)
-                    silent = seen.get("heartbeat_age_s")
+                    # Past its limit and not judged yet: by the age its supervisor saw (its own clock, as of its last
+                    # look; review 14: by this clock a stop's frozen rows and a backoff's dead ranks turned red), or,
+                    # its supervisor stopped, by the beat's age here on its own machine (audit 17: never shown then)
+                    silent = seen.get("heartbeat_age_s") if not stale else age if n.on_this_host else None
                     if not note and not exited and watching and r.get("alive") and isinstance(silent, (int, float)) \
                             and isinstance(limit, (int, float)) and silent > limit:
-                        note = Text(f"silent {render.human_duration(silent)} (limit {render.human_duration(limit)})",
-                                    style="red")
+                        unjudged = ", and nothing watches it" if stale else ""
+                        note = Text(f"silent {render.human_duration(silent)} (limit {render.human_duration(limit)})"
+                                    f"{unjudged}", style="red")
                     ranks.add_row(str(r.get("node") or n.record.node or "-"), str(r.get("rank")), str(r.get("pid")),
                                   str(r.get("step", "-")), str(r.get("phase", "-")),
                                   render.human_duration(age) + " ago", "-" if exited else render.human_duration(limit),
