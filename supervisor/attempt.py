@@ -335,7 +335,7 @@ class Attempt:
             handle.wait(0.1)
             handle.track()
         heartbeats = read_heartbeats(self.spec.heartbeat_dir) or heartbeats
-        evidence_note, stalled = "", None
+        evidence_note, stalled, silent_rank = "", None, None
         ignored = [Hang(r, STOP_IGNORED, time.monotonic() - asked, hb.step, hb.phase)
                    for r, hb in sorted(heartbeats.items()) if hb.phase != "exited"] if handle.alive() else []
         if ignored:  # they are SIGKILLed next (run's finally): what they were doing is all that can still be known
@@ -344,13 +344,17 @@ class Attempt:
             ages = {h.rank: time.time() - heartbeats[h.rank].time for h in ignored if heartbeats[h.rank].time}
             silent = sorted((r for r, age in ages.items() if age > STALL_FLOOR_BEATS * self.cfg.heartbeat.interval_s),
                             key=lambda r: -ages[r])
-            ignored.sort(key=lambda h: (silent.index(h.rank) if h.rank in silent else len(silent), h.rank))
+            ignored = sorted((Hang(h.rank, SILENT, ages[h.rank], h.step, h.phase) if h.rank in silent else h
+                              for h in ignored),  # the evidence says which kind each was
+                             key=lambda h: (silent.index(h.rank) if h.rank in silent else len(silent), h.rank))
             why = "".join(f"; rank {r} silent for {ages[r]:.0f}s (the others likely wait for it)" for r in silent[:2])
             if silent:  # goodput books the silence as a hang's, not as lost steps or tail (audit 16)
                 stalled = (time.time() - ages[silent[0]], time.time())
+                silent_rank = silent[0]  # and the history names it, as the console does (audit 17)
+                evidence_note = why
             self.console.event(f"{name}: rank(s) {[h.rank for h in ignored]} still running after the grace{why}; "
                                "capturing stacks before stopping them", style="red")
-            evidence_note = f"; stacks of the ranks that did not stop in {self._capture(handle, ignored, heartbeats)}"
+            evidence_note += f"; stacks of the ranks that did not stop in {self._capture(handle, ignored, heartbeats)}"
         self._show_step(heartbeats)
         step = self.run_record.step
         self.run_record.take_last_beats(heartbeats)
@@ -370,8 +374,8 @@ class Attempt:
                     # rank that exited on a lost peer, another node's kill, is not named: review 14)
             missed = f" (none at the stop step {step}: {cause}see the ranks' logs in {self.spec.logs_dir})"
         return AttemptOutcome(api.STOPPED, f"stopped by {name} ({how}); newest valid checkpoint: "
-                              f"{saved.step if saved else 'none'}{tier}{missed}{evidence_note}", failed, rc, step,
-                              stalled=stalled)
+                              f"{saved.step if saved else 'none'}{tier}{missed}{evidence_note}",
+                              failed if failed is not None else silent_rank, rc, step, stalled=stalled)
 
     # ---- following the ranks --------------------------------------------------------------------------
 
