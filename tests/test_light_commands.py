@@ -1175,3 +1175,18 @@ def test_names_no_encoding_can_print_are_shown_escaped(tmp_path):
         out = r.stdout.decode()
         assert r.returncode == code and b"Traceback" not in r.stderr, r
         assert "\\ud800x is missing" in out and "unlisted file \\udcff" in out, out
+
+
+def test_logs_follow_of_a_run_whose_supervisor_died_says_the_attempt_ended_with_it(tmp_path, cli):
+    """Audit 17: after SIGKILL of `resilient run`, --follow printed the ranks' last lines and exited 0 without a word
+    on the attempt's end, which status reports as supervisor_lost."""
+    rec = _state_file(tmp_path, state=state.RunState.RUNNING, attempt=1)
+    rec.history = [state.AttemptRecord(attempt=1, started_at=time.time() - 30, resumed_from_step=None)]
+    state.write(tmp_path / "state.json", rec)
+    ranks = tmp_path / "logs" / "attempt_1" / "ranks" / "x" / "attempt_0" / "0"
+    ranks.mkdir(parents=True)
+    (ranks / "stdout.log").write_text("step 10\n")
+    r = cli("logs", tmp_path, "--follow")
+    assert r.exit_code == 0, r.output
+    assert "==> attempt 1 ended: supervisor_lost — the supervisor (pid 4194303) died during this attempt <==" in \
+        " ".join(r.stderr.split()), r.output

@@ -152,6 +152,8 @@ def _ending(nodes: list[state.NodeRead], nl: NodeLogs) -> None:
     traceback shown is often a peer's that lost its connection, not the failed rank's (audit 16)."""
     for n in nodes:
         if n.node_dir == nl.node_dir and n.record is not None:
+            if not n.alive:  # its supervisor died with the attempt open: as status and the next run close it
+                state.close_lost_attempt(n.record, n.node_dir)  # (audit 17: --follow ended without a word)
             ended = [h for h in n.record.history if h.attempt == nl.attempt and h.ended_at is not None and h.reason]
             if ended:
                 h = ended[-1]
