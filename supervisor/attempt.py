@@ -311,6 +311,9 @@ class Attempt:
         name = signal.Signals(self.listener.stop_signal() or signal.SIGTERM).name
         asked = time.monotonic()
         deadline = self._stop_deadline = asked + self.cfg.stop_timeout_s + STOP_SLACK_S
+        # status says it while it runs (audit 17: a stop in progress looked like a healthy running run)
+        self.run_record.stopping = (f"{name} at {time.strftime('%H:%M:%S')}: the ranks checkpoint their step and "
+                                    f"exit, {self.cfg.stop_timeout_s:.0f}s at most")
         if rc is None:
             self.console.event(f"{name}: asking the ranks to checkpoint and stop (up to "
                                f"{self.cfg.stop_timeout_s:.0f}s)", style="yellow")

@@ -144,6 +144,7 @@ class RunRecord:
     notes: list[dict[str, Any]] = field(default_factory=list)  # rank 0's warnings, once each: attempt, step, text
     message: str | None = None
     next_launch_at: float | None = None  # restarting: when the backoff ends and the next attempt launches
+    stopping: str | None = None  # a graceful stop under way: what was asked, when, and its grace
     updated_at: float = 0.0
 
     def transition(self, new: RunState) -> None:

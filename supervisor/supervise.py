@@ -313,6 +313,7 @@ class Supervisor:
 
     def _end_attempt(self, rec: AttemptRecord, outcome: AttemptOutcome) -> None:
         rec.ended_at = time.time()
+        self.record.stopping = None  # a stop under way ended with the attempt: its outcome says how
         self.accounting.end(rec.ended_at)
         if outcome.stalled is not None:  # steps run after a hang's detection leave its stall inside training
             self.accounting.stalled(*outcome.stalled)

@@ -282,6 +282,15 @@ def test_status_notes_a_rank_past_its_hang_limit_before_the_supervisor_judges_it
     assert re.search(r"silent 30\.\ds \(limit 20\.0s\), and nothing watches it", text), text
 
 
+def test_status_during_a_graceful_stop_says_so(tmp_path, cli):
+    """Audit 17: for the stop's grace (up to 11 s) text and JSON said a plain `running`."""
+    said = "SIGTERM at 03:20:01: the ranks checkpoint their step and exit, 20s at most"
+    _state_file(tmp_path, state=state.RunState.RUNNING, stopping=said)
+    with RunLock(tmp_path):
+        assert f"stopping {said}" in " ".join(cli("status", tmp_path).stdout.split())
+        assert json.loads(cli("status", tmp_path, "--json").stdout)["stopping"] == said
+
+
 def test_logs_of_a_run_dir_whose_logs_folder_is_a_link_says_so(tmp_path, cli):
     """Audit 15: "no attempt has started yet", of a run whose logs/ had become a link (not followed)."""
     run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"

@@ -231,6 +231,8 @@ class StatusResult:
         ]
         if (note := self.target.root_note()) is not None:  # outside the run dir, or reached through a link
             lines.append(note)
+        if rec.stopping and p.supervisor_alive and p.effective_state is RunState.RUNNING:
+            lines.append(Text(f"stopping  {rec.stopping}", style="yellow"))
         if (due := self.next_launch_in()) is not None:
             lines.append(f"restart   attempt {rec.attempt + 1} launches in {due:.0f}s (the backoff after attempt "
                          f"{rec.attempt})")
