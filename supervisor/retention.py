@@ -102,8 +102,7 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
             else:
                 remove.append(Removal(info.path, info.step, info.size_bytes, "abandoned partial save"))
         elif info.manifest is None and not store.holds_checkpoint_files(info.path):  # (before the branches below: a
-            spared.append((info, f"{info.reason}: it holds no checkpoint file (a folder of someone else's named "
-                                 "like a checkpoint): remove it by hand"))  # stranger's folder of any step; review 14)
+            spared.append((info, f"{store.NOT_A_CHECKPOINT}: remove it by hand"))  # any step's (review 14)
         elif owner_alive and not older:
             spared.append((info, "newer than the newest valid and the run is live (kept as evidence)"))
         elif not older and newest_valid is not None:  # audit 15: one stray file, and gc deleted an intact newest save

@@ -541,6 +541,7 @@ def holds_checkpoint_files(folder: Path) -> bool:
         return True  # unknown: judged as before
 
 
+NOT_A_CHECKPOINT = "holds no checkpoint file: a folder of someone else's named like a checkpoint"
 NOT_OURS_SUFFIX = ".not-resilient"  # a stranger's folder named like a checkpoint, moved off the name a save takes
 
 
@@ -729,6 +730,8 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
         if pid is not None:
             return result(Status.INCOMPLETE, writer_text(pid))
         return result(Status.INCOMPLETE, "partial save, never committed (its writer is gone)")
+    if MARKER not in entries and not any(n.endswith(".distcp") or n == ".metadata" for n in entries):
+        return result(Status.CORRUPT, NOT_A_CHECKPOINT)  # audit 17: told of a marker "removed since"
     if MARKER not in entries:  # the marker is written before the rename to step_<N>: its loss is damage
         return result(Status.CORRUPT, "no completion marker, yet named as committed (it was written before the "
                                       "folder got this name: removed since, or the folder copied in part)")
