@@ -105,9 +105,7 @@ def test_a_hang_is_booked_as_hung_wherever_it_fell_and_the_parts_still_add_up():
         acc.settle(resumed)
         acc.end_session(end)
         s = acc.summary(end)
-        parts = sum(s[k] for k in ("startup_s", "useful_s", "checkpoint_blocking_s", "stalled_s", "lost_s", "tail_s",
-                                   "down_s"))
-        assert parts == pytest_approx(end), s
+        assert parts(s) == pytest_approx(end), s
         return s
 
     # silent from the last step (11.0) until caught at 31.0, ended at 33.0 with no stop checkpoint: was all tail
@@ -122,14 +120,9 @@ def test_a_hang_is_booked_as_hung_wherever_it_fell_and_the_parts_still_add_up():
 
 def test_the_running_attempts_time_since_its_last_step_is_shown_so_the_parts_add_up_at_every_moment():
     """Audit 16: while a hang was not yet detected the parts fell up to 20 s short of the wall time."""
-    from supervisor.goodput import Accounting
     from supervisor.timeline import summary_line
 
-    acc = Accounting()
-    acc.start_session(0.0)
-    acc.launch(1, 0.0, None)
-    for s in range(1, 11):
-        acc.step(s, 1.0 + 0.1 * s)
+    acc = ten_steps()
     s = acc.summary(20.0)  # silent since 2.0
     assert s["open_s"] == pytest_approx(18.0)
     assert s["startup_s"] + s["useful_s"] + s["open_s"] == pytest_approx(20.0)
@@ -140,21 +133,12 @@ def test_the_running_attempts_time_since_its_last_step_is_shown_so_the_parts_add
 
 def test_a_backoff_under_way_is_down_time_as_it_grows():
     """Audit 17: the backoff was booked only at the next launch; until then the parts fell short by it."""
-    from supervisor.goodput import Accounting
-
-    acc = Accounting()
-    acc.start_session(0.0)
-    acc.launch(1, 0.0, None)
-    for s in range(1, 11):
-        acc.step(s, 1.0 + 0.1 * s)
+    acc = ten_steps()
     acc.end(2.5)
     acc.settle(None)
     acc.in_backoff = True
     s = acc.summary(12.5)
-    assert s["down_s"] == pytest_approx(10.0)
-    parts = sum(s[k] for k in ("startup_s", "useful_s", "checkpoint_blocking_s", "stalled_s", "lost_s", "tail_s",
-                               "down_s", "open_s"))
-    assert parts == pytest_approx(12.5), s
+    assert s["down_s"] == pytest_approx(10.0) and parts(s) == pytest_approx(12.5), s
     acc.launch(2, 14.0, None)  # booked for good once, not twice
     assert not acc.in_backoff and acc.summary(14.0)["down_s"] == pytest_approx(11.5)
 
@@ -174,3 +158,21 @@ def test_lost_steps_past_a_save_no_step_log_showed_are_charged_at_the_attempts_p
     acc.settle(200)
     s = acc.summary(6.0)
     assert s["lost_steps"] == 1 and s["lost_s"] == pytest_approx(0.1), s
+
+
+def ten_steps():
+    """A session from 0.0 whose attempt 1 (launched at 0.0) ran steps 1..10, one each 0.1 s from 1.1."""
+    from supervisor.goodput import Accounting
+
+    acc = Accounting()
+    acc.start_session(0.0)
+    acc.launch(1, 0.0, None)
+    for s in range(1, 11):
+        acc.step(s, 1.0 + 0.1 * s)
+    return acc
+
+
+def parts(summary: dict) -> float:
+    """The goodput parts, which add up to the wall time but for the supervisor's own start and finish."""
+    return sum(summary[k] for k in ("startup_s", "useful_s", "checkpoint_blocking_s", "stalled_s", "lost_s", "tail_s",
+                                    "down_s", "open_s"))
