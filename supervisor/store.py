@@ -532,11 +532,15 @@ def saved_time(created_at: float | None, extra: dict[str, Any]) -> float | None:
     return float(saved) if isinstance(saved, (int, float)) and not isinstance(saved, bool) else created_at
 
 
+def _written_by_a_save(name: str) -> bool:
+    return name.endswith(".distcp") or name in (".metadata", MARKER)  # DCP's files, the marker
+
+
 def holds_checkpoint_files(folder: Path) -> bool:
-    """Whether `folder` holds a file a save writes (DCP's `.distcp` files and `.metadata`, the marker): a folder
-    without one was not written by resilient (audit 15: a user's `step_000000007/notes.txt` was deleted)."""
+    """Whether `folder` holds a file a save writes: a folder without one was not written by resilient (audit 15: a
+    user's `step_000000007/notes.txt` was deleted)."""
     try:
-        return any(e.name.endswith(".distcp") or e.name in (".metadata", MARKER) for e in os.scandir(folder))
+        return any(_written_by_a_save(e.name) for e in os.scandir(folder))
     except OSError:
         return True  # unknown: judged as before
 
@@ -730,7 +734,7 @@ def inspect(path: str | os.PathLike, *, deep: bool = False, progress: Progress |
         if pid is not None:
             return result(Status.INCOMPLETE, writer_text(pid))
         return result(Status.INCOMPLETE, "partial save, never committed (its writer is gone)")
-    if MARKER not in entries and not any(n.endswith(".distcp") or n == ".metadata" for n in entries):
+    if not any(_written_by_a_save(n) for n in entries):
         return result(Status.CORRUPT, NOT_A_CHECKPOINT)  # audit 17: told of a marker "removed since"
     if MARKER not in entries:  # the marker is written before the rename to step_<N>: its loss is damage
         return result(Status.CORRUPT, "no completion marker, yet named as committed (it was written before the "
