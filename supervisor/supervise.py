@@ -299,7 +299,6 @@ class Supervisor:
         self.record.restarts = self._restarts_before + self.policy.restarts  # counted once it happens
         self.record.history.append(rec)
         self.record.attempt = spec.attempt
-        self.record.ranks = []  # the last attempt's (audit 16: listed, dead, under the new attempt's header)
         if self.replicator is not None:
             self.replicator.loading = frozenset(s for s in (choice.step, self.resume.local_step) if s is not None)
         if choice.step is not None:  # until the ranks' first step, where they resume (audit 16: a killed supervisor's
@@ -491,7 +490,9 @@ class Supervisor:
         self.resume.set_aside(decision)
         self._settle()  # `status` in the backoff: the failed attempt's lost steps now (the launch charges anew)
         self.accounting.in_backoff = True  # and its down time as it grows
-        self.record.ranks = []  # ended: the history row says how (audit 17: listed as if training, a hang limit on)
+        # ended: the history row says how (audits 16, 17: listed as if training, a hang limit on, under the next
+        # attempt's header)
+        self.record.ranks = []
         self._transition(RunState.RESTARTING)
         if decision.resume_below is not None:
             if not decision.quarantine_once_older_loads:
