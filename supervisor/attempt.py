@@ -372,9 +372,13 @@ class Attempt:
             cause = ""
             if rc:  # a rank killed in the stop, as torchrun's log tells (audit 16: only the logs were named,
                 found = classify.classify(rc, classify.tail(handle.log_path, 200_000), heartbeats, {})  # where the
-                if found.failed_rank is not None and found.reason in (api.WORKER_SIGNAL, api.OOM):  # peer's
-                    cause, failed = f"{found.detail}; ", found.failed_rank  # traceback blamed the wrong rank; a
-                    # rank that exited on a lost peer, another node's kill, is not named: review 14)
+                if found.failed_rank is not None and found.reason not in (api.PREEMPTED, api.FINISHED, api.NODE_LOST,
+                                                                          api.COLLECTIVE_TIMEOUT):  # peer's traceback
+                    cause = f"{found.detail}; "  # blamed the wrong rank); its cause, whatever it was (review 15: a
+                    # full disk's went unsaid), and the rank where it died by a signal, its OOM or its save (a rank
+                    # that exited on a lost peer, another node's kill, is not named: review 14)
+                    if found.reason in (api.WORKER_SIGNAL, api.OOM, api.CHECKPOINT_FAILED):
+                        failed = found.failed_rank
             missed = f" (none at the stop step {step}: {cause}see the ranks' logs in {self.spec.logs_dir})"
         return AttemptOutcome(api.STOPPED, f"stopped by {name} ({how}); newest valid checkpoint: "
                               f"{saved.step if saved else 'none'}{tier}{missed}{evidence_note}",

@@ -117,6 +117,8 @@ class Accounting:
         self.session_started = t
 
     def end_session(self, t: float) -> None:
+        if self.in_backoff:  # the run ends in a backoff (nothing left to choose): its wait was down time
+            self.down_until(t)
         if self.session_started is not None:
             self.wall_before_s += t - self.session_started
             self.session_started = None
@@ -283,9 +285,11 @@ class Accounting:
         if not d:
             return cls()
         attempts = [AttemptAccount(**a) for a in d.get("attempts", [])]
-        wall = float(d.get("wall_before_s", 0.0))
+        wall, down = float(d.get("wall_before_s", 0.0)), float(d.get("down_s", 0.0))
         if d.get("session_started") is not None and last_seen is not None:
             wall += max(0.0, last_seen - float(d["session_started"]))
             if attempts and attempts[-1].ended_at is None:  # its supervisor died during it: ended when last seen
                 attempts[-1].ended_at = max(last_seen, attempts[-1].last_step_at or last_seen)
-        return cls(attempts, wall, None, float(d.get("down_s", 0.0)))
+            elif attempts and d.get("in_backoff"):  # it died in a backoff: down until last seen (review 15)
+                down += max(0.0, last_seen - max(attempts[-1].ended_at or last_seen, float(d["session_started"])))
+        return cls(attempts, wall, None, down)

@@ -303,8 +303,8 @@ def _held_by(path: Path) -> dict | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno == errno.EBADF:  # read-only on NFS (review 14): cannot tell, as before anyone asked
-                return None
+            if e.errno == errno.EBADF:  # read-only on NFS (review 14): cannot tell, so held by someone unknown
+                return {}  # (review 15: "no holder" let gc go on)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
             try:

@@ -436,8 +436,8 @@ def writer_alive(partial: str | os.PathLike) -> int | None:
         try:  # for writing where it may be: NFS emulates flock with POSIX locks, whose exclusive kind needs it
             fd = open_regular(lock, os.O_RDWR)
         except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                raise
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.EISDIR, errno.ETXTBSY):
+                raise  # (a folder there: read-only it is "not a regular file", uncheckable, as before; review 15)
             fd = open_regular(lock)
     except FileNotFoundError:
         return None
@@ -840,6 +840,9 @@ def passed_over(root: str | os.PathLike) -> list[tuple[str, str]]:
         named = STEP_RE.match(e.name) or PARTIAL_RE.match(e.name) or QUARANTINE_RE.match(e.name)
         if e.is_symlink():
             found.append((e.name, "a link: links are never followed"))
+        elif not named and NOT_OURS_SUFFIX in e.name:  # review 15: it was told to take a checkpoint's name again
+            found.append((e.name, "someone else's folder, which held no checkpoint file, moved off its step's name "
+                                  "by a save of that step: yours to keep or remove"))
         elif not named:
             found.append((e.name, "not a checkpoint name: step_ and 9 digits, e.g. step_000000050"))
         elif not e.is_dir(follow_symlinks=False):

@@ -335,7 +335,7 @@ def test_gc_of_a_root_named_by_itself_that_a_live_run_holds_is_refused_and_delet
     try:
         r = cli("gc", root, "--keep", "1")
         assert r.exit_code == 2 and "Traceback" not in r.output, r.output
-        assert r.stderr.strip() == (f"resilient: {root} is the checkpoint root of the live run {tmp_path / 'run'} "
+        assert r.stderr.strip() == (f"resilient: {root} is a checkpoint root of the live run {tmp_path / 'run'} "
                                     f"(supervisor pid {os.getpid()} on {socket.gethostname()}); nothing was removed. "
                                     "gc it through that run dir, `resilient gc RUN_DIR --keep N`, which knows the "
                                     "step its ranks are loading, or once the run has ended."), r.stderr
@@ -344,10 +344,20 @@ def test_gc_of_a_root_named_by_itself_that_a_live_run_holds_is_refused_and_delet
         copy.mkdir()
         (copy / "job.json").write_text(json.dumps({"schema_version": 1, "job": {"checkpoint": {"dir": str(root)}}}))
         r = cli("gc", copy, "--keep", "1")
-        assert r.exit_code == 2 and f"is the checkpoint root of the live run {tmp_path / 'run'}" in r.stderr, r.output
+        assert r.exit_code == 2 and f"is a checkpoint root of the live run {tmp_path / 'run'}" in r.stderr, r.output
         assert [i.step for i in store.scan(root)] == [10, 20, 30]
     finally:
         claim.release()
+    # Review 15: the live run's own run dir, whatever path its supervisor saw it by (a container's /workspace/run),
+    # knows the steps its ranks load: gc through it goes on.
+    from supervisor.lock import RunLock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "job.json").write_text(json.dumps({"schema_version": 1, "job": {"checkpoint": {"dir": str(root)}}}))
+    with RootClaim(root, "/workspace/run", job="demo"), RunLock(run_dir):
+        r = cli("gc", run_dir, "--keep", "2")
+        assert r.exit_code == 0 and [i.step for i in store.scan(root)] == [20, 30], r.output
     r = cli("gc", root, "--keep", "1")
     assert r.exit_code == 0 and [i.step for i in store.scan(root)] == [30], r.output
 

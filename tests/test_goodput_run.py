@@ -176,3 +176,17 @@ def parts(summary: dict) -> float:
     """The goodput parts, which add up to the wall time but for the supervisor's own start and finish."""
     return sum(summary[k] for k in ("startup_s", "useful_s", "checkpoint_blocking_s", "stalled_s", "lost_s", "tail_s",
                                     "down_s", "open_s"))
+
+
+def test_a_backoff_is_down_time_also_when_the_supervisor_dies_in_it_or_the_run_ends_there():
+    """Review 15: booked only at the launch, a backoff the supervisor died in, or one the run ended in, was lost."""
+    from supervisor.goodput import Accounting
+
+    acc = ten_steps()
+    acc.end(2.5)
+    acc.settle(None)
+    acc.in_backoff = True
+    died = Accounting.from_dict(acc.to_dict(), last_seen=12.5)  # killed at 12.5, in the backoff
+    assert died.summary(12.5)["down_s"] == pytest_approx(10.0) and parts(died.summary(12.5)) == pytest_approx(12.5)
+    acc.end_session(13.0)  # the run ends there (nothing left to choose)
+    assert acc.summary(13.0)["down_s"] == pytest_approx(10.5) and parts(acc.summary(13.0)) == pytest_approx(13.0)

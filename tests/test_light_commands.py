@@ -271,15 +271,22 @@ def test_status_notes_a_rank_past_its_hang_limit_before_the_supervisor_judges_it
     state.write(tmp_path / "state.json", rec)
     with RunLock(tmp_path):
         assert "silent" not in cli("status", tmp_path).stdout
-    # Audit 17: its supervisor not writing (stopped): the rank's own beat, aged here, where its supervisor's view froze
+    # Audit 17: its supervisor not writing (stopped): the rank's own beat file, aged here, where the supervisor's
+    # view froze (review 15: a beat file that is fresh is no note, however old the record)
+    from supervisor.protocol import Heartbeat, write_heartbeat
+
     rec.state = state.RunState.RUNNING
-    rec.ranks[0].update(pid=os.getpid(), started_at=now - 60, heartbeat_age_s=1.0)
+    rec.ranks[0].update(pid=os.getpid(), started_at=now - 60, heartbeat_age_s=1.0, heartbeat_at=now - 120)
     state.write(tmp_path / "state.json", rec)
     doc = json.loads((tmp_path / "state.json").read_text())
     (tmp_path / "state.json").write_text(json.dumps({**doc, "updated_at": now - 120}))
-    with RunLock(tmp_path):
-        text = " ".join(cli("status", tmp_path).stdout.split())
-    assert re.search(r"silent 30\.\ds \(limit 20\.0s\), and nothing watches it", text), text
+    beats = tmp_path / "heartbeats" / f"attempt_{rec.attempt}"
+    beats.mkdir(parents=True)
+    for beat_at, says in ((now - 2, None), (now - 30, r"silent 30\.\ds \(limit 20\.0s\), and nothing watches it")):
+        write_heartbeat(beats, Heartbeat(rank=0, pid=os.getpid(), phase="train", step=70, time=beat_at))
+        with RunLock(tmp_path):
+            text = " ".join(cli("status", tmp_path).stdout.split())
+        assert (re.search(says, text) if says else "silent" not in text), text
 
 
 def test_status_during_a_graceful_stop_says_so(tmp_path, cli):
@@ -289,6 +296,8 @@ def test_status_during_a_graceful_stop_says_so(tmp_path, cli):
     with RunLock(tmp_path):
         assert f"stopping {said}" in " ".join(cli("status", tmp_path).stdout.split())
         assert json.loads(cli("status", tmp_path, "--json").stdout)["stopping"] == said
+    # review 15: its supervisor killed during the stop (Slurm's KillWait), no stop is under way
+    assert json.loads(cli("status", tmp_path, "--json").stdout)["stopping"] is None
 
 
 def test_logs_of_a_run_dir_whose_logs_folder_is_a_link_says_so(tmp_path, cli):

@@ -705,3 +705,13 @@ def test_a_save_of_a_step_whose_name_a_strangers_folder_holds_moves_that_folder_
     kept = [p for p in tmp_path.iterdir() if p.name.startswith("step_000000100.not-resilient.")]
     assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "mine"
     assert [i.step for i in store.scan(tmp_path, quarantined=True)] == [100]  # no scan takes it for a checkpoint
+    assert [why.startswith("someone else's folder") for name, why in store.passed_over(tmp_path)] == [True]
+
+
+def test_a_writer_lock_that_is_a_folder_is_taken_as_held_not_gone(tmp_path):
+    """Review 15: opened for writing, a folder there failed with EISDIR and read as "writer gone", so gc deleted
+    the partial; uncheckable, it is spared as before."""
+    partial = write_checkpoint(tmp_path, 10, commit=False)
+    os.unlink(partial.path / store.WRITER_LOCK)
+    (partial.path / store.WRITER_LOCK).mkdir()
+    assert store.writer_alive(partial.path) == store.UNCHECKABLE

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -117,15 +116,16 @@ def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local
         raise UsageError(f"{root} is a node's local checkpoint tier; nothing was removed. gc it through its run "
                          "dir, `resilient gc RUN_DIR --keep N --keep-local M`, which never deletes a local "
                          "checkpoint the durable tier has no copy of.")
-    if root is not None and (who := lock.live_holder(root)) is not None and \
-            (t.run_dir is None or who.get("run_dir") != os.path.realpath(t.run_dir)):
-        # Review 13: named by its root (review 14: or through a copy of the run dir that shares it), a live run's
-        # was judged as a dead one's: the older step a rollback handed its ranks, its saves in progress and the
-        # evidence kept while it runs were deleted.
-        by = f"supervisor pid {who.get('pid', '?')} on {who.get('host', '?')}"
-        raise UsageError(f"{root} is the checkpoint root of the live run {who.get('run_dir', '?')} ({by}); nothing "
-                         "was removed. gc it through that run dir, `resilient gc RUN_DIR --keep N`, which knows the "
-                         "step its ranks are loading, or once the run has ended.")
+    if t.run_dir is None or not owner_alive(t.run_dir):  # a live run's own run dir, by any path, knows its steps
+        for held in [r for r in (root,) if r is not None] + [lroot for _, lroot in targets.local_tiers(t)]:
+            if (who := lock.live_holder(held)) is not None:
+                # Review 13: named by its root (review 14: or through a copy of the run dir that shares it; review
+                # 15: and its local tiers), a live run's was judged as a dead one's: the older step a rollback
+                # handed its ranks, its saves in progress and the evidence kept while it runs were deleted.
+                by = f"supervisor pid {who.get('pid', '?')} on {who.get('host', '?')}"
+                raise UsageError(f"{held} is a checkpoint root of the live run {who.get('run_dir', '?')} ({by}); "
+                                 "nothing was removed. gc it through that run dir, `resilient gc RUN_DIR --keep N`, "
+                                 "which knows the step its ranks are loading, or once the run has ended.")
     # The folder comes first, before anything is deleted: a copied run dir may share an outside root.
     named = t.root_note()  # outside the run dir, or reached through a link: said under --json too
     note = named or f"checkpoint root {t.checkpoint_root}"

@@ -122,6 +122,8 @@ class StatusResult:
             supervisor_stale=self.supervisor_stale(),
             record_age_s=round(max(0.0, self.now - rec.updated_at), 1),
             next_launch_at=rec.next_launch_at if self.next_launch_in() is not None else None,
+            # only while a live supervisor runs it (review 15: a killed one's stop was reported as under way)
+            stopping=rec.stopping if p.supervisor_alive and p.effective_state is RunState.RUNNING else None,
             ranks=[r for n in self.current for r in n.ranks(self.now)],
             run_dir=str(self.run_dir),
             checkpoint_dir=str(self.checkpoint_root),
@@ -266,9 +268,14 @@ class StatusResult:
             ranks = Table(box=None, pad_edge=False, title="ranks", title_justify="left", title_style="bold")
             for col in ("NODE", "RANK", "PID", "STEP", "PHASE", "HEARTBEAT", "HUNG AFTER", "ALIVE", "STEPS/S", "NOTE"):
                 ranks.add_column(col, no_wrap=col != "NOTE")
-            stale = self.supervisor_stale() is not None
             for n in self.current:
                 watching = n.supervisor_alive and n.effective_state is RunState.RUNNING
+                # this node's supervisor not writing (stopped): its ranks' own beat files say how long each has been
+                # silent (review 15: the record's frozen view painted healthy ranks red; another node's staleness
+                # was asked)
+                stale = watching and _stale(n.record.supervisor, self.now - n.record.updated_at) is not None
+                beats = protocol.read_heartbeats(layout.RunLayout(n.node_dir).heartbeat_dir(n.record.attempt)) \
+                    if stale and n.on_this_host else {}
                 for seen, r in zip(n.record.ranks, n.ranks(self.now), strict=True):
                     exited = r.get("phase") == "exited"  # audit 16: an ended rank's age beside a hang limit was noise
                     age, limit = r.get("heartbeat_age_s"), r.get("hang_limit_s")
@@ -276,7 +283,9 @@ class StatusResult:
                     # Past its limit and not judged yet: by the age its supervisor saw (its own clock, as of its last
                     # look; review 14: by this clock a stop's frozen rows and a backoff's dead ranks turned red), or,
                     # its supervisor stopped, by the beat's age here on its own machine (audit 17: never shown then)
-                    silent = seen.get("heartbeat_age_s") if not stale else age if n.on_this_host else None
+                    hb = beats.get(r.get("rank"))
+                    silent = seen.get("heartbeat_age_s") if not stale else \
+                        max(0.0, self.now - hb.time) if hb is not None and hb.time else None
                     if not note and not exited and watching and r.get("alive") and isinstance(silent, (int, float)) \
                             and isinstance(limit, (int, float)) and silent > limit:
                         unjudged = ", and nothing watches it" if stale else ""
