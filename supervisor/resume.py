@@ -161,6 +161,8 @@ class ResumeChooser:
         """Rename a checkpoint aside with its reason (never delete it); None if another node did it first."""
         try:
             moved = store.quarantine(path, reason)
+        except FileNotFoundError:  # another node's supervisor set it aside first (review 15: "it stays where it is")
+            return None
         except OSError as e:
             self.console.event(f"could not set {path.name} aside ({e.strerror}); it stays where it is", style="red")
             return None

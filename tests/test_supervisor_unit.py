@@ -1638,3 +1638,7 @@ def test_a_checkpoint_set_aside_is_no_longer_the_records_last_valid_one(tmp_path
     sup.record.last_checkpoint_step = 100
     sup.resume.quarantine(cfg.checkpoint.dir / "step_000000100", "the loss became non-finite after it")
     assert sup.record.last_checkpoint_step == 50 and sup.record.quarantined[0]["step"] == 100
+    # another node's supervisor set it aside first: nothing to say, nothing recorded here (review 15: "could not set
+    # it aside; it stays where it is")
+    assert sup.resume.quarantine(cfg.checkpoint.dir / "step_000000100", "again") is None
+    assert len(sup.record.quarantined) == 1
