@@ -179,16 +179,24 @@ class RankWatch:
                 saving = () if been else tuple(
                     r for r, o in sorted(self.seen.items())
                     if o.hb.phase == "save" and s.hb.step is not None and o.hb.saving_step == s.hb.step)
+                # This rank has been through save(step) and waits; a peer still in it (staging, on a wedged GPU) is
+                # the one held up: named first, before its own save_timeout_s (review 15: this rank was named)
+                stuck = [(r, o) for r, o in sorted(self.seen.items()) if been and r != rank and
+                         o.hb.phase == "save" and o.hb.saving_step == s.hb.step]
+                for r, o in stuck:
+                    if not any(h.rank == r for h in found):
+                        found.append(Hang(r, SAVE_TOO_LONG, now - o.step_at, o.hb.step, o.hb.phase))
                 if silent > self.stall_floor_s:  # stopped beating too: the one the others wait for
                     found.append(Hang(rank, SILENT, silent, s.hb.step, phase, saving=saving))
                 else:
                     found.append(Hang(rank, NO_PROGRESS, now - s.step_at, s.hb.step, phase,
-                                      never_stepped=s.hb.first_step_at is None, waiting=s.hb.in_sync,
+                                      never_stepped=s.hb.first_step_at is None, waiting=s.hb.in_sync or bool(stuck),
                                       saving=saving))
         if self.expected_ranks and since_launch > self.startup_timeout_s:
             for rank in range(self.expected_ranks):
                 if rank not in self.seen:
                     found.append(Hang(rank, NO_HEARTBEAT, since_launch, None, None))
+        found = list({(h.rank, h.kind): h for h in found}.values())  # a peer in save named by several waiting ranks
         # One never heard of: what the others wait for.
         order = {SILENT: 0, NO_HEARTBEAT: 1, STARTUP: 2, SAVE_TOO_LONG: 2, NO_PROGRESS: 3}
         # Among ranks without progress, one waiting for the others at the step-end agreement is not the one held up.

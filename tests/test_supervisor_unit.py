@@ -20,7 +20,7 @@ from supervisor.launch import torchrun_argv
 from supervisor.policy import LoadFailure, RestartPolicy
 from supervisor.protocol import EXIT_CHECKPOINT_LOAD, EXIT_NAN, EXIT_PREEMPTED, Handover, Heartbeat, write_heartbeat
 from supervisor.state import RunState
-from supervisor.watch import NO_HEARTBEAT, NO_PROGRESS, SAVE_TOO_LONG, SILENT, STARTUP, RankWatch
+from supervisor.watch import NO_HEARTBEAT, NO_PROGRESS, SAVE_TOO_LONG, SILENT, STARTUP, RankWatch, verdict
 from tests.proc import child_env
 from tests.runs import FakeHandle
 
@@ -405,13 +405,18 @@ def test_a_rank_that_has_not_entered_the_save_the_others_wait_in_is_named_with_w
     assert [(h.rank, h.saving) for h in w.hangs(19.5)] == [(0, ()), (1, ())]
     assert "save" not in w.hangs(19.5)[0].describe()
     # Review 14: rank 1 has been through save(4) (its async save in flight, or its last save that step), rank 0 is
-    # stuck staging in it: rank 1 was told it never called save().
+    # stuck staging in it: rank 1 was told it never called save(). Review 15: and it was named, rank 0 spared until
+    # its save_timeout_s; rank 0, still in save, is named first.
     for been in ({"saving_step": 4}, {"last_save": {"step": 4, "blocking_s": 0.1, "committed": False}}):
-        w = RankWatch(launched_at=0.0, timeout_s=10, startup_timeout_s=100)
-        for t in range(1, 20):
-            w.observe({0: hb(0, phase="save", seq=t, step=4, saving_step=4),
-                       1: hb(1, phase="train", seq=t, step=4, **been)}, now=t)
-        assert [(h.rank, h.saving) for h in w.hangs(19.5)] == [(1, ())], been
+        for stuck, waits in ((0, 1), (1, 0)):
+            w = RankWatch(launched_at=0.0, timeout_s=10, startup_timeout_s=100)
+            for t in range(1, 20):
+                w.observe({stuck: hb(stuck, phase="save", seq=t, step=4, saving_step=4),
+                           waits: hb(waits, phase="train", seq=t, step=4, **been)}, now=t)
+            hangs = w.hangs(19.5)
+            assert [(h.rank, h.kind, h.saving) for h in hangs] == [(stuck, SAVE_TOO_LONG, ()),
+                                                                   (waits, NO_PROGRESS, ())], (been, hangs)
+            assert verdict(hangs).startswith(f"rank {stuck} still in save after 18s"), verdict(hangs)
 
 
 def test_every_silent_rank_is_named_not_only_the_first():
