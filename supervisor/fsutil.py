@@ -123,6 +123,21 @@ def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY, *, follow: b
     return fd
 
 
+def open_to_probe(path: str | os.PathLike, *, regular: bool = False) -> int:
+    """`path` opened to test another process's flock on it: for writing where this user may (NFS emulates flock
+    with POSIX locks, whose exclusive kind needs a descriptor open for writing; review 14), else for reading, as
+    before (no permission, a read-only mount, a folder). `regular`: through open_regular. OSError as open's."""
+    def opened(flags: int) -> int:
+        return open_regular(path, flags) if regular else os.open(path, flags | os.O_CLOEXEC)
+
+    try:
+        return opened(os.O_RDWR)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.EISDIR, errno.ETXTBSY):
+            raise
+        return opened(os.O_RDONLY)
+
+
 def read_regular(path: str | os.PathLike, *, follow: bool = False) -> bytes:
     """The bytes of a regular file (`open_regular`'s rules: a link or a FIFO raises OSError)."""
     with os.fdopen(open_regular(path, follow=follow), "rb") as f:

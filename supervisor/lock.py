@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from supervisor.errors import ConfigError, RunLockedError, UsageError
-from supervisor.fsutil import atomic_write_json, open_regular, read_json
+from supervisor.fsutil import atomic_write_json, open_regular, open_to_probe, read_json
 from supervisor.layout import LOCK_FILE
 
 
@@ -292,13 +292,10 @@ def live_holder(root: str | os.PathLike, but: str | None = None) -> dict | None:
 
 def _held_by(path: Path) -> dict | None:
     """Who holds `path` (its recorded JSON), or None when no live process does."""
-    try:  # for writing where it may be: NFS emulates flock with POSIX locks, whose exclusive kind needs it
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:  # (no permission, a read-only mount: as before)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
+    try:
+        fd = open_to_probe(path)
+    except OSError:
+        return None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

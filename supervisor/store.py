@@ -53,7 +53,15 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import __version__
-from supervisor.fsutil import atomic_write_bytes, exchange, fsync_dir, open_regular, parse_json, read_regular
+from supervisor.fsutil import (
+    atomic_write_bytes,
+    exchange,
+    fsync_dir,
+    open_regular,
+    open_to_probe,
+    parse_json,
+    read_regular,
+)
 
 log = logging.getLogger("resilient")
 
@@ -432,13 +440,8 @@ def writer_alive(partial: str | os.PathLike) -> int | None:
     """The PID recorded by a live writer of this partial folder (HELD if it recorded none, UNCHECKABLE if the lock
     cannot be checked: a save nobody can show to be dead is treated as live), or None if no writer holds it."""
     lock = Path(partial) / WRITER_LOCK
-    try:
-        try:  # for writing where it may be: NFS emulates flock with POSIX locks, whose exclusive kind needs it
-            fd = open_regular(lock, os.O_RDWR)
-        except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.EISDIR, errno.ETXTBSY):
-                raise  # (a folder there: read-only it is "not a regular file", uncheckable, as before; review 15)
-            fd = open_regular(lock)
+    try:  # (a folder there: read-only it is "not a regular file", uncheckable, as before; review 15)
+        fd = open_to_probe(lock, regular=True)
     except FileNotFoundError:
         return None
     except OSError as e:  # no permission, or a link or FIFO in its place; not a passing fault (EMFILE, EIO)
