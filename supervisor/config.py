@@ -241,21 +241,28 @@ MAX_JOB_BYTES = 16 << 20  # read from a job file at most (a job file is a few Ki
 MAX_NODES = 100_000  # YAML nodes read from one job file, its aliases expanded (a job file has about a hundred)
 
 
-def _locate(node: yaml.Node, path: str, constructor: yaml.constructor.SafeConstructor, seen: list[Any]) -> _Loc:
-    """`seen`: [nodes read, ids of the collections read] (an alias is a node read again)."""
+@dataclass
+class _Seen:
+    """What one job file's reading has met: its nodes, its collections (an alias is one met again)."""
+
+    nodes: int = 0
+    collections: set[int] = field(default_factory=set)
+    aliased: bool = False
+
+
+def _locate(node: yaml.Node, path: str, constructor: yaml.constructor.SafeConstructor, seen: _Seen) -> _Loc:
     where = f"{path}:{node.start_mark.line + 1}"
-    seen[0] += 1
-    if seen[0] > MAX_NODES:  # aliases of aliases ("billion laughs") expand without end in practice
-        if seen[1].get("aliased"):
+    seen.nodes += 1
+    if seen.nodes > MAX_NODES:  # aliases of aliases ("billion laughs") expand without end in practice
+        if seen.aliased:
             raise ConfigError(f"{where}: the job file expands to more than {MAX_NODES} values through its YAML "
                               "aliases (&name ... *name); write the values out.")
         # (audit 15: a big file without aliases was told to write its aliases out)
         raise ConfigError(f"{where}: the job file holds more than {MAX_NODES} values, where a job file has about a "
                           "hundred; pass the job's own file.")
     if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
-        if id(node) in seen[1]:
-            seen[1]["aliased"] = True
-        seen[1][id(node)] = True
+        seen.aliased = seen.aliased or id(node) in seen.collections
+        seen.collections.add(id(node))
     if isinstance(node, yaml.MappingNode):
         out: dict[str, _Loc] = {}
         for key_node, value_node in node.value:
@@ -332,7 +339,7 @@ def _parse_yaml(text: str, path: str) -> _Loc:
         raise ConfigError(f"{path}:1: the job file is empty; it needs at least `name` and `entrypoint`.")
     constructor = yaml.constructor.SafeConstructor()
     try:
-        root = _locate(node, path, constructor, [0, {}])
+        root = _locate(node, path, constructor, _Seen())
     except yaml.YAMLError as e:
         raise _yaml_error(e, path) from None
     except RecursionError:  # an alias inside its own anchor (`a: &a [*a]`), or nesting without end
