@@ -94,22 +94,29 @@ class ResumeChooser:
 
     def progress(self, choice: ResumeChoice) -> tuple[bool, int | None, int | None]:
         """After an attempt that resumed from `choice`: is there a newer valid checkpoint in either tier, and the
-        newest valid durable one with the one below it. A checkpoint passed over (it failed to load) is no
-        progress."""
-        newest = store.latest_valid(self.ckpt.dir, below=self.suspect[0] if self.suspect is not None else None)
-        older = store.latest_valid(self.ckpt.dir, below=newest.step) if newest else None
-        newest_step = max((i.step for i in (newest, self.newest_local()) if i is not None), default=None)
-        started = max((s for s in (choice.step, self.local_step) if s is not None), default=None)
-        progressed = newest_step is not None and (started is None or newest_step > started)
-        return progressed, newest.step if newest else None, older.step if older else None
+        newest valid one in either tier with the one below it (a NaN's rollback target). A checkpoint passed over
+        (it failed to load) is no progress.
 
-    def newest_local(self) -> store.CheckpointInfo | None:
-        return store.latest_valid(self.local_root) if self.local_root is not None else None
+        Both tiers: with the local tier ahead of the durable one by the replication lag, the newest durable step
+        as the rollback's "newest" rolled back two intervals, set a good step aside, and left the local step the
+        loss went non-finite after to a later relaunch, which handed it to the ranks again.
+        """
+        below = self.suspect[0] if self.suspect is not None else None
+        newest = self._newest_valid(below)
+        older = self._newest_valid(newest) if newest is not None else None
+        started = max((s for s in (choice.step, self.local_step) if s is not None), default=None)
+        progressed = newest is not None and (started is None or newest > started)
+        return progressed, newest, older
+
+    def _newest_valid(self, below: int | None) -> int | None:
+        """The newest valid step below `below` (if given) in either tier."""
+        found = (store.latest_valid(root, below=below) for root in (self.ckpt.dir, self.local_root)
+                 if root is not None)
+        return max((i.step for i in found if i is not None), default=None)
 
     def newest_step(self) -> int | None:
         """The newest valid checkpoint in either tier."""
-        return max((i.step for i in (store.latest_valid(self.ckpt.dir), self.newest_local()) if i is not None),
-                   default=None)
+        return self._newest_valid(None)
 
     def load_failure(self, outcome: AttemptOutcome, choice: ResumeChoice) -> LoadFailure | None:
         """The ranks could not load their checkpoint: is it bad (a full check), and what is older?"""
@@ -125,9 +132,7 @@ class ResumeChooser:
         self.console.event(f"checking every byte of {tier}{path.name}, which the ranks could not load",
                            style="yellow")
         info = store.inspect(path, deep=True) if path.is_dir() else None
-        older = max((i.step for i in (store.latest_valid(self.ckpt.dir, below=step),
-                                      store.latest_valid(self.local_root, below=step) if self.local_root else None)
-                     if i is not None), default=None)
+        older = self._newest_valid(step)
         # Unreadable here says nothing of its bytes: it is set aside only as whole yet failing to load twice.
         whole = info is not None and (info.valid or info.status is store.Status.UNREADABLE)
         corrupt = None if whole else (info.reason if info else "the folder is gone")

@@ -108,3 +108,36 @@ def test_a_whole_step_that_failed_to_load_twice_is_set_aside_in_both_tiers_once_
     assert not (durable / store.step_dirname(40)).exists() and not (local / store.step_dirname(40)).exists()
     assert (durable / "step_000000040.quarantined").is_dir() and (local / "step_000000040.quarantined").is_dir()
     assert chooser.choose(None).step == 20 and chooser.local_step == 20  # and it stays passed over
+
+
+def test_a_nan_rolls_back_from_the_newest_step_in_either_tier_and_sets_that_one_aside(tmp_path):
+    """The local tier ahead of the durable one by the replication lag: the loss went non-finite after local step 60,
+    so the rollback resumes below 60 (from 40), not below the newest durable step (review of this session: rolled
+    back to 20, set the good durable 40 aside, and left local 60 for a later relaunch to hand to the ranks)."""
+    from supervisor import api
+    from supervisor.config import CheckpointConfig, RestartConfig
+    from supervisor.console import EventConsole
+    from supervisor.policy import RestartPolicy
+    from supervisor.resume import ResumeChooser
+    from tests.ckpt_helpers import write_checkpoint
+
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    for step in (20, 40):
+        write_checkpoint(durable, step)
+    for step in (40, 60):
+        write_checkpoint(local, step)
+    chooser = ResumeChooser(CheckpointConfig(dir=durable), local, EventConsole("demo"), lambda q: None, lambda: 3)
+    started = chooser.choose(None)
+    assert (started.step, chooser.local_step) == (40, 60)
+    nan = api.AttemptOutcome(api.NAN, "rank 0: the loss is nan at step 70", 70, 76, None)
+    progressed, newest, older = chooser.progress(started)
+    assert (progressed, newest, older) == (False, 60, 40)
+    decision = RestartPolicy(RestartConfig()).decide(nan, progressed=progressed, newest_valid=newest,
+                                                     older_valid=older)
+    assert decision.relaunch and decision.resume_below == 60 and decision.quarantine_step == 60
+    chooser.set_aside(decision)
+    again = chooser.choose(decision.resume_below)
+    assert (again.step, chooser.local_step) == (40, 40)
+    chooser.resumed(40)  # the older one loads: the step the loss went non-finite after is set aside, locally
+    assert (local / "step_000000060.quarantined").is_dir() and (durable / store.step_dirname(40)).is_dir()
+    assert chooser.choose(None).step == 40 and chooser.local_step == 40
