@@ -51,11 +51,14 @@ def open_record(cfg: JobConfig, layout: RunLayout, console: EventConsole) -> tup
         if was_open:
             logged = prev.history[-1].step_at_failure
             rec.step = max((s for s in (rec.step, logged) if s is not None), default=None)
+            # in either tier: with a local tier, its newest step went unreplicated with the supervisor
+            roots = (cfg.checkpoint.dir, cfg.checkpoint.local_root(layout.node_name))
             newest = None
             with contextlib.suppress(OSError):  # a root that cannot be read now: the launch's choice says it
-                newest = store.latest_valid(cfg.checkpoint.dir) if cfg.checkpoint.dir.is_dir() else None
-            if newest is not None and (rec.last_checkpoint_step is None or newest.step > rec.last_checkpoint_step):
-                rec.last_checkpoint_step = newest.step
+                newest = max((i.step for root in roots if root is not None and root.is_dir()
+                              if (i := store.latest_valid(root)) is not None), default=None)
+            if newest is not None and (rec.last_checkpoint_step is None or newest > rec.last_checkpoint_step):
+                rec.last_checkpoint_step = newest
         rec.accounting, rec.restarts = prev.accounting, prev.restarts
         if own:  # this node's own tiers (a predecessor's were another node's): a failing durable tier's outage
             rec.replication = prev.replication  # goes on being timed (review 12: it was never carried)

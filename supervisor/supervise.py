@@ -235,8 +235,7 @@ class Supervisor:
         self.record.quarantined = [*self.record.quarantined, entry]
         if entry.get("step") == self.record.last_checkpoint_step:  # set aside: no longer the one to resume from
             with contextlib.suppress(OSError):  # (audit 17: status went on naming it, and called it "gone")
-                newest = store.latest_valid(self.cfg.checkpoint.dir)
-                self.record.last_checkpoint_step = newest.step if newest is not None else None
+                self.record.last_checkpoint_step = self.resume.newest_step()  # in either tier
 
     def _next_attempt_number(self) -> int:
         """After the last recorded attempt, and after every attempt's logs folder (a history lost with a damaged

@@ -1647,3 +1647,35 @@ def test_a_checkpoint_set_aside_is_no_longer_the_records_last_valid_one(tmp_path
     # it aside; it stays where it is")
     assert sup.resume.quarantine(cfg.checkpoint.dir / "step_000000100", "again") is None
     assert len(sup.record.quarantined) == 1
+
+
+def test_the_records_last_checkpoint_counts_the_local_tier_when_a_supervisor_died_or_a_step_is_set_aside(tmp_path):
+    """With a local tier ahead of the durable one: a killed supervisor's open attempt is settled at the newest step
+    in either tier (status said the durable one, behind by the replication lag), and a step set aside leaves the
+    newest in either tier as the record's last valid checkpoint."""
+    import time
+
+    from supervisor.config import load_job
+    from supervisor.console import EventConsole
+    from supervisor.layout import RunLayout
+    from supervisor.supervise import Supervisor
+    from tests.ckpt_helpers import write_checkpoint
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\ncheckpoint: {local_dir: local}\n")
+    cfg = load_job(job)
+    layout = RunLayout(cfg.run_dir, None)
+    layout.node_dir.mkdir(parents=True, exist_ok=True)
+    local = cfg.checkpoint.local_root(layout.node_name)
+    assert local is not None
+    write_checkpoint(cfg.checkpoint.dir, 20)
+    for step in (20, 40, 60):
+        write_checkpoint(local, step)
+    rec = state.RunRecord(name="demo", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.RUNNING)
+    rec.history = [state.AttemptRecord(attempt=1, started_at=time.time() - 60, resumed_from_step=None)]
+    rec.attempt, rec.step, rec.last_checkpoint_step = 1, 45, 20  # its supervisor's last word, then kill -9
+    state.write(layout.state_file, rec)
+    sup = Supervisor(cfg, layout, launcher=lambda *a: None, console=EventConsole("demo"))
+    assert sup.record.last_checkpoint_step == 60
+    sup.resume.quarantine(local / "step_000000060", "the loss became non-finite after it")
+    assert sup.record.last_checkpoint_step == 40
