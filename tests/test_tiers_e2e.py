@@ -192,6 +192,28 @@ def test_a_full_durable_tier_does_not_stop_training_and_a_replaced_node_loses_at
     assert store.inspect(small_disk / store.step_dirname(step_at_loss + 40), deep=True).valid
 
 
+def test_a_nan_rolls_back_through_the_local_tier_while_the_durable_tier_is_full(tmp_path, small_disk):
+    """The durable tier fills after step 20: the loss goes non-finite at step 70, after local step 60. The rollback
+    resumes from local step 40, the one before the newest in either tier; it counted from the durable tier's newest,
+    found nothing older than 20 there and stopped ("no earlier valid checkpoint to roll back to")."""
+    run_dir, local = tmp_path / "run", tmp_path / "local"
+    sets = (f"checkpoint.local_dir={local}", f"checkpoint.dir={small_disk}")
+    argv = run_job(run_dir, *sets, steps=200, sleep=0.05, extra_args=("--test-nan-at-step", "70"))
+    with started(argv, tmp_path, log=tmp_path / "sup.log") as sup:
+        wait_for(lambda: valid_steps(small_disk), 90, "a first durable checkpoint")
+        fill(small_disk)
+        assert sup.wait(RUN_TIMEOUT) == 1, sup.output()[-3000:]
+        console = sup.output()
+    assert valid_steps(small_disk)[-1] < 60, "the durable tier was to lag the local one"
+    doc = status(run_dir)
+    assert [h["reason"] for h in doc["history"]] == ["nan", "nan"], console[-3000:]
+    second = doc["history"][1]
+    assert (second["resumed_from_step"], second["resumed_tier"]) == (40, "local"), second
+    assert "rolling back below step 60" in console and "non-finite again after a rollback" in doc["message"]
+    # the step the loss went non-finite after is set aside in the local tier once step 40 loads
+    assert [q["step"] for q in doc["quarantined"]] == [60] and (local / "step_000000060.quarantined").is_dir()
+
+
 def job_file(tmp_path: Path, port: int, *, steps: int = 100, interval: int = 20) -> Path:
     job = tmp_path / "mn.yaml"
     job.write_text(f"""\
