@@ -681,8 +681,9 @@ class Replicator:
         with root_lock(self.durable_root, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB)) as held:
             if not held:
                 return
-            plan = retention.plan(self.durable_root, self._scan(self.durable_root), self.keep, owner_alive=True,
-                                  handed_over=self.loading)
+            infos = self._scan(self.durable_root)
+            plan = retention.plan(self.durable_root, infos, self.keep, owner_alive=True,
+                                  handed_over=retention.may_be_loading(infos, self.loading))
             plan = retention.set_aside(plan)
         if plan.remove:
             retention.apply(plan)
@@ -714,8 +715,9 @@ class Replicator:
             return
         outage = self.state.failing_since is not None and time.time() - self.state.failing_since > self.outage_s
         infos = self._scan(self.local_root)
+        loading = retention.may_be_loading(infos, self.loading)
         plan, held = split_unreplicated(retention.plan(self.local_root, infos, self.keep_local, owner_alive=True,
-                                                       handed_over=self.loading),
+                                                       handed_over=loading),
                                         infos, set(self._durable_valid()))
         if outage:
             for r in held:

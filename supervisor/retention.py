@@ -87,7 +87,7 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
         if info.quarantined:
             spared.append((info, "quarantined: resilient never deletes it; remove it by hand once understood"))
         elif info.valid and info.step in handed_over:
-            spared.append((info, "a live supervisor handed this step to its relaunched ranks to load"))
+            spared.append((info, "a live supervisor's relaunched ranks may be loading it"))
         elif info.valid:
             remove.append(Removal(info.path, info.step, info.size_bytes, f"older than the {keep} newest valid"))
         elif info.status is store.Status.UNREADABLE and not info.partial:
@@ -122,6 +122,17 @@ def plan(root: Path, infos: Sequence[CheckpointInfo], keep: int, *, owner_alive:
             remove.append(Removal(root / store.SPARE_DIR, None, sum(spares.values()),
                                   "data files of deleted checkpoints that a run kept for its next saves"))
     return Plan(kept, remove, spared)
+
+
+def may_be_loading(infos: Sequence[CheckpointInfo], handed: Collection[int]) -> set[int]:
+    """The steps relaunched ranks may be loading when their supervisor(s) handed over `handed`: each valid one up to
+    the newest handed. The ranks take the smallest step the nodes handed over, and with a local tier the newest
+    one every node holds, which may be older than this node's (review 16: retention deleted that older common step
+    under the ranks reading it, when a publish moved it out of `keep_local`)."""
+    if not handed:
+        return set()
+    newest = max(handed)
+    return {*handed, *(i.step for i in infos if i.valid and i.step <= newest)}
 
 
 def named(removals: Sequence[Removal]) -> str:

@@ -296,6 +296,29 @@ def test_gc_of_a_live_run_spares_the_local_step_its_supervisor_offered_for_a_rol
         r.output
 
 
+def test_gc_of_a_live_run_spares_every_step_up_to_the_handed_one_until_the_ranks_begin_training(tmp_path, cli):
+    """Review 16: the ranks load the smallest step the nodes handed over (or the newest every node holds locally),
+    which may be older than this node's: until they train, gc keeps every valid step up to the handed one."""
+    from supervisor.lock import RunLock
+
+    root = tmp_path / "checkpoints"
+    for step in (50, 100, 150):
+        write_checkpoint(root, step)
+    rec = state.RunRecord(name="x", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.RUNNING,
+                          attempt=2)
+    loading = state.AttemptRecord(attempt=2, started_at=3.0, resumed_from_step=100)
+    rec.history += [state.AttemptRecord(attempt=1, started_at=1.0, resumed_from_step=None, ended_at=2.0,
+                                        reason="worker_signal"), loading]
+    state.write(tmp_path / "state.json", rec)
+    with RunLock(tmp_path):
+        r = cli("gc", tmp_path, "--keep", "1", "--json")
+        assert r.exit_code == 0 and json.loads(r.stdout)["removed"] == [], r.output
+        loading.first_step_at = 4.0  # training: past loading, only the handed step is spared
+        state.write(tmp_path / "state.json", rec)
+        r = cli("gc", tmp_path, "--keep", "1", "--json")
+        assert r.exit_code == 0 and [x["step"] for x in json.loads(r.stdout)["removed"]] == [50], r.output
+
+
 def test_saving_a_step_again_sets_an_unreadable_folder_of_that_step_aside_instead_of_deleting_it(tmp_path, cli,
                                                                                                 monkeypatch):
     """A rerun that saved step 200 again replaced an unreadable step_200 (whose bytes nobody could judge, and which

@@ -789,6 +789,30 @@ def test_retention_spares_the_steps_the_ranks_were_handed_to_load_until_they_hav
     assert [i.step for i in store.scan(tmp_path / "local-a")] == [20]
 
 
+def test_retention_spares_an_older_step_every_node_holds_while_the_ranks_load(tmp_path):
+    """Review 16: this node handed over its newest local step 30, but the ranks load the newest step every node
+    holds, 10 (another node's 20 and 30 were lost). A publish of 10 moved it out of `keep_local` and retention
+    deleted it under the ranks reading it. Every valid step up to the newest handed over is kept until they have
+    loaded; in the durable tier too (the ranks take the smallest step the nodes handed over)."""
+    one = {"a": [0, 1]}
+    for step in (10, 20, 30):
+        local_checkpoint(tmp_path / "local-a", step, "a", one)
+    r = replicator(tmp_path, "a", keep_local=1)
+    r.keep = 1
+    r.loading = frozenset({20, 30})  # handed over; the publishes come while the ranks load
+    r._replicate(10)
+    r._replicate(20)
+    r._local_retention()
+    r._durable_retention()
+    assert [i.step for i in store.scan(tmp_path / "local-a")] == [10, 20, 30]
+    assert [i.step for i in store.scan(tmp_path / "durable")] == [10, 20]
+    r.loading = frozenset()  # loaded
+    r._durable_retention()
+    r._local_retention()
+    assert [i.step for i in store.scan(tmp_path / "durable")] == [20]
+    assert [i.step for i in store.scan(tmp_path / "local-a")] == [30]
+
+
 def test_a_rollback_stops_the_copy_of_the_step_it_passes_over_that_is_under_way(tmp_path, monkeypatch):
     """Review 14: roll_back only took the steps out of the queue; the copy under way when the loss went non-finite,
     most often of the very step rolled back past, went on and published it."""

@@ -95,15 +95,17 @@ def owner_alive(run_dir: Path | None) -> bool:
     return run_dir is not None and any(lock.holder(d) for d in [run_dir, *layout.node_dirs(run_dir)])
 
 
-def handed_over(run_dir: Path | None) -> set[int]:
+def handed_over(run_dir: Path | None) -> tuple[set[int], bool]:
     """The steps the live supervisors of the run have handed their current attempts' ranks to load, from either
-    tier: a rollback's older step, which the ranks may not have read yet (deleting it made them start afresh)."""
-    steps = set()
+    tier: a rollback's older step, which the ranks may not have read yet (deleting it made them start afresh); and
+    whether some attempt's ranks have not begun training yet (they may be loading an older step every node holds)."""
+    steps, loading = set(), False
     for n in state.read_nodes(layout.state_files(run_dir) if run_dir is not None else []):
         last = n.record.history[-1] if n.alive and n.record is not None and n.record.history else None
         if last is not None and last.ended_at is None:
             steps.update(s for s in (last.resumed_from_step, last.offered_local_step) if s is not None)
-    return steps
+            loading = loading or last.first_step_at is None
+    return steps, loading
 
 
 def main(target: str | None, keep: int, dry_run: bool, as_json: bool, keep_local: int | None = None,
@@ -199,9 +201,13 @@ def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_
     infos = store.scan(root, quarantined=True) if root is not None else []
     if deep is not None:  # before anything is judged: a checkpoint kept in place of older ones is whole to its bytes
         infos = deep.read(infos, keep)
-    loading = handed_over(t.run_dir)
+    handed, still_loading = handed_over(t.run_dir)
+
+    def spare(found: list[store.CheckpointInfo]) -> set[int]:
+        return retention.may_be_loading(found, handed) if still_loading else handed
+
     alive = owner_alive(t.run_dir)
-    plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=alive, handed_over=loading)
+    plan = retention.plan(t.checkpoint_root, infos, keep, owner_alive=alive, handed_over=spare(infos))
     local = []
     durable = {i.step for i in infos if i.valid}
     for node, lroot in targets.local_tiers(t):  # planned before anything is deleted anywhere
@@ -209,7 +215,7 @@ def _collect(t: targets.Target, root: Path | None, keep: int, dry_run: bool, as_
         if deep is not None:
             linfos = deep.read(linfos, keep_local)
         lplan, held = split_unreplicated(retention.plan(lroot, linfos, keep_local, owner_alive=alive,
-                                                        handed_over=loading), linfos, durable)
+                                                        handed_over=spare(linfos)), linfos, durable)
         by_path = {i.path: i for i in linfos}
         spared = [*lplan.spared, *((by_path[r.path], UNREPLICATED if alive else UNREPLICATED_STOPPED) for r in held)]
         local.append((node, lroot, retention.Plan(lplan.kept, lplan.remove, spared)))
