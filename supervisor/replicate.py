@@ -479,14 +479,17 @@ class Replicator:
         there; True when this node wrote there, False when there was nothing to write (the local copy is gone or
         damaged, another node completed the step, a newer one is durable): no news of the durable tier."""
         local = self.local_root / store.step_dirname(step)
-        info = store.inspect(local)
+        marker = file_identity(local / store.MARKER)  # which save of this step the copy is of: taken before it is
+        info = store.inspect(local)  # read (review 16: the ranks saving it again in between, the copy of the new
+        if file_identity(local / store.MARKER) != marker:  # save checked against the old manifest, which set the
+            # good new save aside as damaged; or an inspect across the swap judged it invalid for good)
+            raise LocalSaveReplaced(f"local step {step} was saved again while it was read: copying the new save")
         if not info.valid:  # gone (retention, a wiped node) or damaged: nothing of this node to vouch for
             log.warning("not replicating %s: %s", local, info.reason)
             self._unusable.add(step)
             return False
         manifest = info.manifest
         assert manifest is not None
-        marker = file_identity(local / store.MARKER)  # which save of this step the copy is of
         final = self.durable_root / store.step_dirname(step)
         partial = self.durable_root / store.partial_dirname(step)
         mine = self._part(step)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from supervisor import store
-from supervisor.replicate import PARTS, Replicator
+from supervisor.replicate import PARTS, LocalSaveReplaced, Replicator
 from tests.ckpt_helpers import truncate
 
 NODES = {"a": [0, 1], "b": [2, 3]}
@@ -836,3 +836,29 @@ def test_a_rollback_stops_the_copy_of_the_step_it_passes_over_that_is_under_way(
     assert len(copied) == 1
     assert [i.step for i in store.scan(tmp_path / "durable") if i.valid] == [10]
     assert not (tmp_path / "durable" / store.partial_dirname(20)).exists()  # its room given back
+
+
+def test_a_local_step_saved_again_while_the_replicator_reads_it_is_copied_as_the_new_save(tmp_path, monkeypatch):
+    """Review 16: the marker's identity was taken after the inspect. The ranks saving the step again in between, the
+    copy of the new save was checked against the old manifest, and the good new save was set aside as damaged."""
+    one = {"a": [0, 1]}
+    local_checkpoint(tmp_path / "local-a", 10, "a", one)
+    r = replicator(tmp_path, "a")
+    real = store.inspect
+    calls = []
+
+    def saved_again_meanwhile(path, *a, **kw):
+        info = real(path, *a, **kw)
+        if path.parent == tmp_path / "local-a" and not calls:
+            calls.append(path)
+            local_checkpoint(tmp_path / "local-a", 10, "a", one, salt="again")
+        return info
+
+    monkeypatch.setattr(store, "inspect", saved_again_meanwhile)
+    with pytest.raises(LocalSaveReplaced):
+        r._replicate(10)
+    assert r._replicate(10) and not r._unusable
+    durable = store.inspect(tmp_path / "durable" / store.step_dirname(10), deep=True)
+    local = store.inspect(tmp_path / "local-a" / store.step_dirname(10))
+    assert durable.valid and local.valid and durable.manifest is not None and local.manifest is not None
+    assert store.save_identity(durable.manifest.files) == store.save_identity(local.manifest.files)
