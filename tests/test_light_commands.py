@@ -1208,3 +1208,26 @@ def test_logs_follow_of_a_run_whose_supervisor_died_says_the_attempt_ended_with_
     assert r.exit_code == 0, r.output
     assert "==> attempt 1 ended: supervisor_lost — the supervisor (pid 4194303) died during this attempt <==" in \
         " ".join(r.stderr.split()), r.output
+
+
+def test_inspect_counts_a_local_step_only_when_every_node_holds_the_same_save_of_it(tmp_path, cli):
+    """Review 16: two nodes holding different saves of step 200 (one saved again after a resume) were counted as
+    "valid in every node's local tier", where a relaunch never mixes them and resumes from an older one."""
+    run_dir = tmp_path / "run"
+    write_checkpoint(run_dir / "checkpoints", 100)
+    for node in ("a", "b"):
+        write_checkpoint(run_dir / "local" / node, 150)
+        rec = state.RunRecord(name="tiers", run_dir=".", checkpoint_dir="checkpoints", node=node,
+                              state=state.RunState.SUCCEEDED,
+                              replication={"local_root": f"local/{node}", "durable_root": "checkpoints"})
+        (run_dir / "nodes" / node).mkdir(parents=True)
+        state.write(run_dir / "nodes" / node / "state.json", rec)
+    write_checkpoint(run_dir / "local" / "a", 200)
+    partial = store.begin(run_dir / "local" / "b", 200)  # another save of step 200
+    (partial.path / ".metadata").write_bytes(b"metadata of another save of step 200")
+    partial.commit(1, store.describe_files(partial.path, [".metadata"]))
+    assert store.inspect(run_dir / "local" / "b" / store.step_dirname(200)).valid
+    r = cli("inspect-checkpoint", run_dir, "--step", "200")
+    assert r.exit_code == 1 and "step 200: not valid in every node's local tier" in r.stdout, r.output
+    r = cli("inspect-checkpoint", run_dir, "--step", "150")  # the same save on both (their own shards)
+    assert r.exit_code == 0 and "step 150: valid in every node's local tier" in r.stdout, r.output

@@ -39,11 +39,12 @@ class InspectResult:
 
     @property
     def _local_steps(self) -> set[int]:
-        """The steps valid in every node's local tier (a node whose tier is not there holds none): the ones a
-        relaunch can take from there."""
-        tiers = [{c.step for c in infos if c.valid} for _, _, infos in self.local or []]
+        """The steps valid in every node's local tier as the same save (a node whose tier is not there holds none;
+        two saves of one step number are never mixed): the ones a relaunch can take from there."""
+        tiers = [{(c.step, store.save_identity(c.manifest.files)) for c in infos if c.valid and c.manifest}
+                 for _, _, infos in self.local or []]
         tiers += [set() for _ in self.missing_local or []]
-        return set.intersection(*tiers) if tiers else set()
+        return {step for step, _ in set.intersection(*tiers)} if tiers else set()
 
     @property
     def newest_local(self) -> int | None:
