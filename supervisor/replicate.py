@@ -204,10 +204,11 @@ class Replicator:
         self._wake.set()
 
     def pass_over_older_timeline(self, resumed: int | None, launched_at: float) -> None:
-        """The ranks resumed from the durable tier's step `resumed`: this node's local steps above it that were
+        """The ranks resumed from step `resumed` (of either tier): this node's local steps above it that were
         committed before this attempt began belong to the training it left (another node was replaced, or a local
-        step was damaged). Nobody resumes from them, and on several nodes they can never be published: they are
-        not copied (ahead of the new training's first steps, they held its durable copies back)."""
+        step was damaged, or another node lacks them). Nobody resumes from them, and on several nodes they can never
+        be published: they are not copied (ahead of the new training's first steps, they held its durable copies
+        back)."""
         stale = []
         with contextlib.suppress(OSError):
             infos = self._scan(self.local_root) if self.local_root.is_dir() else []
@@ -217,8 +218,8 @@ class Replicator:
             with self._lock:
                 self._unusable.update(stale)
                 self._queue.difference_update(stale)
-            log.info("not copying local step(s) %s to the durable tier: the ranks resumed from durable step %s, "
-                     "before them", stale, resumed)
+            log.info("not copying local step(s) %s to the durable tier: the ranks resumed from step %s, before "
+                     "them", stale, resumed)
 
     def roll_back(self, below: int) -> None:
         """The supervisor rolled the training back below step `below` (a non-finite loss): this node's local steps

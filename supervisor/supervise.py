@@ -445,7 +445,8 @@ class Supervisor:
         # never corrects the launch's charge through a step record.
         self.accounting.resumed(step)
         self._sync_lost_steps()
-        if self.replicator is not None and tier == "durable":
+        if self.replicator is not None and tier is not None:  # from either tier (review 16: after a resume from an
+            # older local step every node held, this node's newer ones of the training left were copied on)
             self.replicator.pass_over_older_timeline(step, launched_at)
 
     def stop_signal(self) -> int | None:

@@ -1679,3 +1679,27 @@ def test_the_records_last_checkpoint_counts_the_local_tier_when_a_supervisor_die
     assert sup.record.last_checkpoint_step == 60
     sup.resume.quarantine(local / "step_000000060", "the loss became non-finite after it")
     assert sup.record.last_checkpoint_step == 40
+
+
+def test_a_resume_from_an_older_local_step_passes_over_this_nodes_newer_ones(tmp_path):
+    """Review 16: after the ranks resumed from local step 10 (the newest every node held), this node's 20 and 30 of
+    the training left were still copied to the durable tier, ahead of the new training's own saves."""
+    import time
+
+    from supervisor.config import load_job
+    from supervisor.console import EventConsole
+    from supervisor.layout import RunLayout
+    from supervisor.supervise import Supervisor
+    from tests.ckpt_helpers import write_checkpoint
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: demo\nentrypoint: {module: train_entry}\ncheckpoint: {local_dir: local}\n")
+    cfg = load_job(job)
+    sup = Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None, console=EventConsole("demo"))
+    assert sup.replicator is not None and sup.local_root is not None
+    for step in (10, 20, 30):
+        write_checkpoint(sup.local_root, step)
+    sup.replicator.notify(20)
+    sup.replicator.notify(30)
+    sup.on_resumed(10, "local", launched_at=time.time() + 1)
+    assert {20, 30} <= sup.replicator._unusable and not sup.replicator.snapshot()["pending"]
