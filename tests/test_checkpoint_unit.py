@@ -522,10 +522,10 @@ def test_a_small_file_another_node_sends_for_the_local_tier_must_be_the_bytes_it
 
     me = SimpleNamespace(local=True, node="a")
     wrote = b"rank 1's small file"
-    sent = [("a", 0, [record("__0_0.distcp", b"x")], {}),
-            ("b", 1, [record("__1_0.distcp", b"y"), record("__1_1.distcp", wrote)], {"__1_1.distcp": wrote})]
+    sent = [("a", 0, [record("__0_0.distcp", b"x")], {}, {}),
+            ("b", 1, [record("__1_0.distcp", b"y"), record("__1_1.distcp", wrote)], {"__1_1.distcp": wrote}, {})]
     records, extra = Checkpointer._folder_records(me, tmp_path, sent, {})
     assert [r.name for r in records] == ["__0_0.distcp", "__1_1.distcp"] and extra["ranks"] == {"a": [0], "b": [1]}
-    bad = [sent[0], ("b", 1, sent[1][2], {"__1_1.distcp": b"rank 1's small fiLe"})]
+    bad = [sent[0], ("b", 1, sent[1][2], {"__1_1.distcp": b"rank 1's small fiLe"}, {})]
     with pytest.raises(RuntimeError, match=r"rank 1's __1_1\.distcp read back from its disk differs"):
         Checkpointer._folder_records(me, tmp_path, bad, {})

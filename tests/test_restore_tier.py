@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from supervisor import store
 from tests.ckpt_helpers import flip_byte
 from tests.test_replicate import NODES, local_checkpoint
@@ -141,3 +143,88 @@ def test_a_nan_rolls_back_from_the_newest_step_in_either_tier_and_sets_that_one_
     chooser.resumed(40)  # the older one loads: the step the loss went non-finite after is set aside, locally
     assert (local / "step_000000060.quarantined").is_dir() and (durable / store.step_dirname(40)).is_dir()
     assert chooser.choose(None).step == 40 and chooser.local_step == 40
+
+
+HSDP_SCRIPT = r'''
+import json, os, sys
+from pathlib import Path
+
+import pytest
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from supervisor import store
+from train_entry.checkpoint import Checkpointer
+from train_entry.dist import DistContext
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+node = "ab"[rank]  # one rank per node: each its node's first
+mesh = init_device_mesh("cpu", (2,))
+ctx = DistContext(rank, 2, 0, torch.device("cpu"), "gloo", mesh, dist.new_group(backend="gloo"))
+tmp = Path(sys.argv[1])
+results = {}
+for step, replicated in ((1, True), (2, False)):
+    ckpt = Checkpointer(tmp / "local" / node, ctx, async_save=False, durable_root=tmp / "durable", node=node)
+    sd = {"w": distribute_tensor(torch.arange(64.0).reshape(16, 4), mesh, [Shard(0)])}
+    if replicated:  # the same shard on both nodes' ranks, as a tensor across HSDP's replicas
+        sd["r"] = distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh, [Replicate()])
+    ckpt.save(step, lambda: sd, sync=True)
+    template = {k: distribute_tensor(torch.zeros(v.shape), mesh, v.placements) for k, v in sd.items()}
+    try:
+        got = ckpt.load(tmp / "local" / node / store.step_dirname(step), lambda keys: template)
+        results[step] = all(torch.equal(got[k].full_tensor(), sd[k].full_tensor()) for k in sd)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        results[step] = str(e)
+    dist.barrier()
+(tmp / f"loaded_{node}.json").write_text(json.dumps(results))
+dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # tests/test_planned_save.py: gloo's teardown can abort a rank
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.matrix  # DCP's dedup of a shard several ranks hold, on every torch of the range
+def test_a_node_whose_replicated_shard_another_node_wrote_restores_from_the_durable_tier(tmp_path):
+    """Review 16: DCP writes a shard several ranks hold (a tensor replicated across nodes, as HSDP's) once, from one
+    rank; the other node's local folder then lacks it, yet it inspected valid and its ranks were offered it, failed
+    to load it twice, and the run stopped or set good checkpoints aside. Such a save now names that node, whose
+    ranks read the durable tier. Two real gloo ranks under torchrun, each as its own node."""
+    import json
+    import sys
+
+    from tests.proc import child_env, free_port, started
+
+    script = tmp_path / "hsdp.py"
+    script.write_text(HSDP_SCRIPT)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0",
+            str(script), str(tmp_path)]
+    with started(argv, tmp_path, env=child_env(), log=tmp_path / "run.log") as p:
+        rc = p.wait(120)
+        out = p.output()
+    assert rc == 0, out[-3000:]
+    loaded = {node: json.loads((tmp_path / f"loaded_{node}.json").read_text()) for node in "ab"}
+    lacking = {node: store.inspect(tmp_path / "local" / node / store.step_dirname(1)).manifest.extra.get(
+        "lacks_shards_of_other_nodes") for node in "ab"}
+    assert lacking["a"] == lacking["b"] and len(lacking["a"]) == 1, lacking
+    short = lacking["a"][0]
+    # the premise: read from the local folders, the load of step 1 fails (on every rank: the read is collective)
+    failed = loaded[short]["1"]
+    assert isinstance(failed, str) and f"local/{short}/step_000000001/__" in failed and "No such file" in failed, \
+        loaded
+    assert all(loaded[n]["2"] is True for n in "ab"), loaded  # sharded only: each node holds its own
+    assert all("lacks_shards_of_other_nodes" not in store.inspect(
+        tmp_path / "local" / n / store.step_dirname(2)).manifest.extra for n in "ab")
+    for node, rank in (("a", 0), ("b", 1)):
+        me = SimpleNamespace(handover=SimpleNamespace(local_resume_step=2), world_size=2, rank=rank,
+                             ckpt=SimpleNamespace(local=True, root=tmp_path / "local" / node, node=node))
+        offered, why = Session._local_offer(me)  # type: ignore[arg-type]
+        assert sorted(offered) == ([2] if node == short else [1, 2]), (node, offered, why)
+        if node == short:
+            assert "local step 1 lacks shards that ranks on other nodes wrote" in why, why

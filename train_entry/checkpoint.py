@@ -207,7 +207,8 @@ class Checkpointer:
             shared = {r.name: (path / r.name).read_bytes() for r in mine
                       if self.local and not r.name.endswith("_0.distcp")}
             everyone: list[Any] = [None] * ctx.world_size
-            dist.all_gather_object(everyone, (self.node, ctx.rank, mine, shared), group=group)
+            given = self._saver.shards_written_by if self.local else {}  # the coordinator's; {} elsewhere
+            dist.all_gather_object(everyone, (self.node, ctx.rank, mine, shared, given), group=group)
             if partial is not None:
                 if self.pause is not None:
                     self.pause.maybe("before_marker", step, path)
@@ -232,9 +233,9 @@ class Checkpointer:
         """What this committer's folder holds: every rank's files (one durable folder), or this node's ranks'
         files plus the other ranks' small files and the metadata, written here now (a local tier)."""
         if not self.local:
-            return [r for _, _, recs, _ in everyone for r in recs], extra
+            return [r for _, _, recs, _, _ in everyone for r in recs], extra
         records = []
-        for node, rank, recs, shared in everyone:
+        for node, rank, recs, shared, _ in everyone:
             if node == self.node:
                 records += recs
                 continue
@@ -246,9 +247,15 @@ class Checkpointer:
                                        "(checksummed as written): not committed")
                 records.append(got)
         ranks: dict[str, list[int]] = {}
-        for node, rank, _, _ in everyone:
+        for node, rank, *_ in everyone:
             ranks.setdefault(node, []).append(rank)
-        return records, {**extra, "tier": "local", "node": self.node, "nodes": sorted(ranks), "ranks": ranks}
+        # A node whose ranks hold a shard a rank of another node wrote (replicated across nodes, as HSDP's): its
+        # folder lacks that file, and its ranks restore from the durable tier (review 16: they failed to load it)
+        node_of = [node for node, *_ in everyone]  # by rank in the checkpoint group, as the plans are
+        given = next((g for *_, g in everyone if g), {})
+        lacking = sorted({node_of[r] for r, writers in given.items() for w in writers if node_of[w] != node_of[r]})
+        return records, {**extra, "tier": "local", "node": self.node, "nodes": sorted(ranks), "ranks": ranks,
+                         **({"lacks_shards_of_other_nodes": lacking} if lacking else {})}
 
     # ---- loading ------------------------------------------------------------------------------------
 

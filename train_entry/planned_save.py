@@ -48,6 +48,7 @@ class _Plans:
     plan: SavePlan  # this rank's final plan
     results: list[WriteResult]  # this rank's write results in the save that made the plans
     metadata: Metadata | None  # the coordinator's, with that save's item locations: pickled once (`Pickled`)
+    shards_written_by: dict[int, list[int]]  # the coordinator's: Rank0Planner.shards_written_by
 
 
 class PlannedSave:
@@ -57,6 +58,8 @@ class PlannedSave:
         self.planner = planner
         self.planned = 0
         self._last: _Plans | None = None
+        # On the coordinator, the last save's ranks whose shards another rank wrote (storage.shards_written_by)
+        self.shards_written_by: dict[int, list[int]] = {}
 
     def save(self, state_dict: dict[str, Any], writer: RawWriter, group: dist.ProcessGroup) -> None:
         try:
@@ -87,6 +90,7 @@ class PlannedSave:
                 plan = dataclasses.replace(plan, planner_data=planner.mappings)
             planner.plan = plan
         else:
+            planner.shards_written_by = {}
             plan, metadata = self._plan(planner, writer, group, rank, world, coordinator)
             if metadata is not None:
                 metadata = dataclasses.replace(metadata, state_dict_metadata=Pickled(metadata.state_dict_metadata))
@@ -118,8 +122,9 @@ class PlannedSave:
         dist.broadcast_object_list(outcome, src=coordinator, group=group)
         if outcome[0] is not None:
             raise outcome[0]
+        self.shards_written_by = reused.shards_written_by if reused is not None else planner.shards_written_by
         if layout is not None:
-            self._last = reused or _Plans(layout, plan, results, metadata)
+            self._last = reused or _Plans(layout, plan, results, metadata, self.shards_written_by)
 
     @staticmethod
     def _plan(planner: Rank0Planner, writer: RawWriter, group: dist.ProcessGroup, rank: int, world: int,

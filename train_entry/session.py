@@ -267,9 +267,13 @@ class Session:
             if m is None or int(m.group(1)) > h.local_resume_step:
                 continue
             step, info = int(m.group(1)), store.inspect(path)
-            held = (info.manifest.extra.get("ranks") or {}).get(self.ckpt.node, []) if info.manifest else []
+            extra = info.manifest.extra if info.manifest else {}
+            held = (extra.get("ranks") or {}).get(self.ckpt.node, [])
             if not info.valid:
                 why = why or f"node {self.ckpt.node}'s local step {step} is {info.status.value}"
+            elif self.ckpt.node in (extra.get("lacks_shards_of_other_nodes") or []):
+                why = why or (f"node {self.ckpt.node}'s local step {step} lacks shards that ranks on other nodes "
+                              "wrote (a tensor replicated across nodes, as HSDP's, is saved once)")
             elif info.world_size != self.world_size or self.rank not in held:
                 why = why or (f"the world changed since local step {step} (saved by {info.world_size} ranks, rank "
                               f"{self.rank} {'held' if self.rank in held else 'not held'} on node {self.ckpt.node})")

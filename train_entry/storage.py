@@ -87,6 +87,7 @@ class Rank0Planner(DefaultSavePlanner):
 
     def __init__(self) -> None:
         super().__init__(enable_plan_caching=False)
+        self.shards_written_by: dict[int, list[int]] = {}  # the coordinator's, of its last global plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> Any:
         first = {item.index for item in all_plans[0].items}
@@ -97,7 +98,25 @@ class Rank0Planner(DefaultSavePlanner):
 
         trimmed = [all_plans[0], *(dataclasses.replace(p, items=[i for i in p.items if kept(i)])
                                    for p in all_plans[1:])]
-        return super().create_global_plan(trimmed)
+        plans, metadata = super().create_global_plan(trimmed)
+        self.shards_written_by = shards_written_by(all_plans, plans)
+        return plans, metadata
+
+
+def shards_written_by(offered: list[SavePlan], planned: list[SavePlan]) -> dict[int, list[int]]:
+    """For each rank (of the plans' group) holding a shard that another rank writes, those ranks. DCP writes a shard
+    that several ranks hold (a tensor replicated across HSDP's replicas, or a `Replicate()` placement) once, from one
+    of them: a node-local folder holds only its own ranks' files, so a node whose shard another node wrote cannot
+    restore from it."""
+    writer = {item.index: rank for rank, plan in enumerate(planned) for item in plan.items
+              if item.type == WriteItemType.SHARD}
+    out = {}
+    for rank, plan in enumerate(offered):
+        others = {writer[i.index] for i in plan.items
+                  if i.type == WriteItemType.SHARD and writer.get(i.index, rank) != rank}
+        if others:
+            out[rank] = sorted(others)
+    return out
 
 
 def plan_layout(sd: dict[str, Any], coordinator: bool) -> tuple[Any, ...] | None:

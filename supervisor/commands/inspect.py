@@ -40,9 +40,11 @@ class InspectResult:
     @property
     def _local_steps(self) -> set[int]:
         """The steps valid in every node's local tier as the same save (a node whose tier is not there holds none;
-        two saves of one step number are never mixed): the ones a relaunch can take from there."""
-        tiers = [{(c.step, store.save_identity(c.manifest.files)) for c in infos if c.valid and c.manifest}
-                 for _, _, infos in self.local or []]
+        two saves of one step number are never mixed; a node whose copy lacks shards another node wrote has none):
+        the ones a relaunch can take from there."""
+        tiers = [{(c.step, store.save_identity(c.manifest.files)) for c in infos if c.valid and c.manifest
+                  and node not in (c.manifest.extra.get("lacks_shards_of_other_nodes") or [])}
+                 for node, _, infos in self.local or []]
         tiers += [set() for _ in self.missing_local or []]
         return {step for step, _ in set.intersection(*tiers)} if tiers else set()
 
