@@ -8,6 +8,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import textwrap
@@ -29,7 +30,8 @@ STEPS, BATCH = 120, 12
 FINISH_TIMEOUT = 300
 
 
-def job_file(tmp_path: Path, port: int, *, sleep: float = 0.05, width: int = 64, steps: int = STEPS) -> Path:
+def job_file(tmp_path: Path, port: int, *, sleep: float = 0.05, width: int = 64, steps: int = STEPS,
+             local: bool = False) -> Path:
     samples = tmp_path / "samples"
     job = tmp_path / "mn.yaml"
     job.write_text(textwrap.dedent(f"""\
@@ -43,7 +45,7 @@ def job_file(tmp_path: Path, port: int, *, sleep: float = 0.05, width: int = 64,
         nnodes: "1:2"
         nproc_per_node: 1
         rdzv: {{endpoint: "127.0.0.1:{port}", conf: {{last_call_timeout: 3, jion_timeout: 9}}}}  # a typo: warned of
-        checkpoint: {{interval_steps: 20, keep: 4}}
+        checkpoint: {{interval_steps: 20, keep: 4{', local_dir: "local/{node}"' if local else ''}}}
         restart: {{backoff_s: 0.5, crash_loop_attempts: 5}}
         heartbeat: {{timeout_s: 30, startup_timeout_s: 180}}
         collective_timeout_s: 60
@@ -55,10 +57,10 @@ def job_file(tmp_path: Path, port: int, *, sleep: float = 0.05, width: int = 64,
 class Node:
     """One node: its supervisor (and, through it, torchrun and the rank)."""
 
-    def __init__(self, tmp_path: Path, job: Path, name: str, *extra: str):
+    def __init__(self, tmp_path: Path, job: Path, name: str, *extra: str, env: dict[str, str] | None = None):
         self.tmp_path, self.name = tmp_path, name
         self.dir = tmp_path / "run" / "nodes" / name
-        self.proc = Proc(resilient("run", job, "--node", name, *extra), tmp_path,
+        self.proc = Proc(resilient("run", job, "--node", name, *extra), tmp_path, env=env,
                          log=tmp_path / f"{name}-{time.monotonic_ns()}.log")
 
     def state(self) -> dict:
@@ -152,8 +154,9 @@ def cluster() -> Iterator[list[Node]]:
             n.proc.kill_all()
 
 
-def start(nodes: list[Node], tmp_path: Path, job: Path, name: str, *extra: str) -> Node:
-    node = Node(tmp_path, job, name, *extra)
+def start(nodes: list[Node], tmp_path: Path, job: Path, name: str, *extra: str,
+          env: dict[str, str] | None = None) -> Node:
+    node = Node(tmp_path, job, name, *extra, env=env)
     nodes.append(node)
     return node
 
@@ -253,6 +256,31 @@ def test_a_killed_node_rejoins_and_the_world_grows_back(tmp_path):
     assert "torchrun re-formed the group in place" in console_a
     regroups = a.state()["history"][-1]["regroups"]
     assert regroups and regroups[-1]["world_size"] == 2 and regroups[-1]["resumed_from"] >= step_alone
+    assert consumed_ids(tmp_path / "samples") == collections.Counter(range(STEPS * BATCH))
+
+
+def test_with_a_local_tier_a_joining_node_resumes_the_larger_group_from_the_regroups_own_save(tmp_path):
+    """Review 16: at a regroup the ranks checkpoint to their nodes' local tiers, which the larger group cannot read
+    (the world changed): it resumed from an older durable step, losing the steps since. Rank 0 now waits for the
+    durable copy of that save. Node a's copies take 4 s each (a test hook), as a large checkpoint's would."""
+    from supervisor.replicate import PAUSE_ENV
+
+    port = free_port()
+    with cluster() as nodes:
+        job = job_file(tmp_path, port, sleep=0.08, local=True)
+        a = start(nodes, tmp_path, job, "a", env={**child_env(), PAUSE_ENV: "4"})
+        wait_for(lambda: world_of(a) == 1 and (a.rank() or {}).get("step", 0) >= 30, 120, "node a training alone")
+        b = start(nodes, tmp_path, job, "b")
+        wait_for(lambda: world_of(a) == 2 and world_of(b) == 2, 120, "the world to grow to 2")
+        assert a.proc.wait(FINISH_TIMEOUT) == 0, a.proc.output()[-3000:]
+        assert b.proc.wait(60) == 0, b.proc.output()[-3000:]
+        console_a = a.proc.output()
+    assert "torchrun re-formed the group in place" in console_a
+    before, _, _ = console_a.partition("torchrun re-formed the group in place")
+    saved = [int(m) for m in re.findall(r"checkpoint step (\d+) committed to the local tier", before)]
+    regroups = a.state()["history"][-1]["regroups"]
+    assert regroups and regroups[-1]["world_size"] == 2, regroups
+    assert regroups[-1]["resumed_from"] == saved[-1], (regroups, saved)
     assert consumed_ids(tmp_path / "samples") == collections.Counter(range(STEPS * BATCH))
 
 

@@ -59,6 +59,8 @@ SYNC_TARGET_S = 1.0  # then about this much training per agreement (a stop waits
 SYNC_MAX_STEPS = 50
 DEFAULT_GRACE_S = 25.0  # torchrun's shutdown timeout is 30 s: leave room to exit
 GRACE_MARGIN_S = 2.0
+REGROUP_COPY_WAIT_S = 300.0  # a regroup's save, local only: how long rank 0 waits for its durable copy, at most
+REGROUP_COPY_POLL_S = 0.5
 
 
 def _process_started() -> float:
@@ -206,14 +208,57 @@ class Session:
         """
         h = self.handover
         asked: list[Any] = [None] * self.world_size
-        mine = (h.supervised, h.resume_step, h.launched_at, self._local_offer())
+        mine = (h.supervised, h.resume_step, h.launched_at, self._local_offer(), self._saved_since_launch())
         dist.all_gather_object(asked, mine, group=self.ctx.ckpt_group)
         decision: list[Any] = [None]
         if self.ctx.is_main:
             step = self._decide([a[:3] for a in asked])
             decision[0] = self._tier(step, [a[3] for a in asked])
+            saved = [a[4] for a in asked if a[4] is not None]
+            if saved:
+                decision[0] = self._await_durable_copy(decision[0], *max(saved))
         dist.broadcast_object_list(decision, src=0, group=self.ctx.ckpt_group)
         return decision[0]
+
+    def _saved_since_launch(self) -> tuple[int, str] | None:
+        """This node's newest valid local step saved after this attempt's launch, with its save's identity: the
+        checkpoint an earlier worker group of the attempt took when torchrun re-formed the group in place (a node
+        joined). None without a local tier, unsupervised, or without one."""
+        h = self.handover
+        if not self.ckpt.local or not h.supervised or h.launched_at is None:
+            return None
+        for path in reversed(store.checkpoint_dirs(self.ckpt.root)):
+            info = store.inspect(path)
+            if not info.valid or info.manifest is None:
+                continue
+            saved = store.saved_time(info.created_at, info.manifest.extra)
+            if saved is None or saved <= h.launched_at:
+                return None  # the newest valid one is older than the launch
+            return info.step, store.save_identity(info.manifest.files)
+        return None
+
+    def _await_durable_copy(self, decided: tuple[int | None, str, str], step: int,
+                            identity: str) -> tuple[int | None, str, str]:
+        """The group re-formed after its ranks saved `step` to their nodes' local tiers, which the larger group
+        cannot read (the world changed): wait, bounded, for the supervisors to copy it to the durable tier, rather
+        than resume from an older durable step (review 16: the steps since the attempt's launch were lost)."""
+        if decided[1] == "local" or (decided[0] is not None and decided[0] >= step):
+            return decided
+        limit = min(REGROUP_COPY_WAIT_S, 0.5 * (self.handover.collective_timeout_s or 600.0))  # the others wait
+        path = self.ckpt.durable_root / store.step_dirname(step)  # in a collective meanwhile
+        log.info("the group re-formed after step %d was saved to the local tiers: waiting up to %.0fs for its "
+                 "durable copy", step, limit)
+        deadline = time.monotonic() + limit
+        while True:
+            info = store.inspect(path) if path.is_dir() else None
+            if info is not None and info.valid and info.manifest is not None \
+                    and store.save_identity(info.manifest.files) == identity:
+                return step, "durable", f"the group re-formed: step {step}, saved at the regroup, copied durably"
+            if time.monotonic() >= deadline:
+                log.warning("the durable copy of step %d, saved when the group re-formed, did not come within %.0fs:"
+                            " resuming from %s", step, limit, decided[0] if decided[0] is not None else "step 0")
+                return decided
+            time.sleep(REGROUP_COPY_POLL_S)
 
     def _decide(self, asked: list[tuple[bool, int | None, float | None]]) -> int | None:
         root = self.ckpt.durable_root
