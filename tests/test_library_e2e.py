@@ -166,6 +166,8 @@ extra = {"best": float("nan"), "pair": (1, 2)}
 stateful = {"holder": PerRank(Holder())} if mode == "unpicklable" else {}
 if mode == "dropped" and attempt == 1:  # declared by the first attempt only
     stateful = {"late": PerRank(Late())}
+if mode == "unheld_scheduler":  # attached to the optimizer, not given to TrainState
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
 state = TrainState(model, opt, extra=extra, stateful=stateful)
 if mode == "save_before_resume":
     session.save(0, state)
@@ -186,6 +188,13 @@ while step < (8 if mode in ("ignore_stop", "dropped") else 4):
         session.beat(step, model(torch.ones(1, 4)).pow(2).sum())
     if session.should_save(step):
         session.save(step, state)
+if mode in ("cleanup_after_finish", "save_after_finish"):
+    code = session.finish(step, state)
+    if mode == "save_after_finish":
+        session.save(step + 1, state)
+    dist.barrier()  # the tutorial's own ending: a last collective, then its cleanup
+    dist.destroy_process_group()
+    sys.exit(code)
 sys.exit(session.finish(step, state))
 '''
 
@@ -222,9 +231,11 @@ def test_a_misuse_of_the_library_ends_every_rank_with_exit_78_and_one_sentence(t
     assert not list((tmp_path / "ckpt").glob("step_*")) if (tmp_path / "ckpt").is_dir() else True
 
 
-def test_a_loop_that_ignores_an_agreed_stop_is_ended_at_its_next_step_with_that_step_saved(tmp_path):
+def test_a_loop_that_ignores_an_agreed_stop_is_ended_at_its_next_step_with_the_stop_saved_once(tmp_path):
     """It saved every step after the stop (should_save says yes once stopping) until the supervisor's grace ran out
-    and killed the ranks as hung (audit)."""
+    and killed the ranks as hung (audit). Then it saved the next step from inside its beat(), before the script's
+    own bookkeeping of that step had run (audit 19: step 64 saved with step 63's data position): the stop's step,
+    saved, is the last."""
     import re
 
     from supervisor import store
@@ -236,8 +247,25 @@ def test_a_loop_that_ignores_an_agreed_stop_is_ended_at_its_next_step_with_that_
         text = p.output()
     codes = set(re.findall(r"exitcode\s+:\s*(-?\d+) \(pid", text))  # -15: torchrun ended the slower rank first
     assert rc != 0 and "75" in codes and codes <= {"75", "-15"}, text[-3000:]
-    assert "the loop went on to step 3 after the ranks agreed to stop at step 2: ended there as finish() does" in text
-    assert [i.step for i in map(store.inspect, store.checkpoint_dirs(tmp_path / "ckpt")) if i.valid] == [2, 3], text
+    assert ("the loop went on to step 3 after the ranks agreed to stop at step 2: ended there as finish() does, "
+            "step 2 saved") in text, text[-3000:]
+    assert [i.step for i in map(store.inspect, store.checkpoint_dirs(tmp_path / "ckpt")) if i.valid] == [2], text
+
+
+def test_a_save_after_finish_ends_every_rank_with_exit_78_and_one_sentence(tmp_path):
+    """Audit 19: torch's own ValueError in a traceback, and under the supervisor a finished run relaunched until its
+    crash-loop rule."""
+    import re
+
+    script = tmp_path / "after.py"
+    script.write_text(MISUSE)
+    with started(torchrun(script, "save_after_finish"), tmp_path, log=tmp_path / "out.log") as p:
+        rc = p.wait(120)
+        text = p.output()
+    codes = set(re.findall(r"exitcode\s+:\s*(-?\d+) \(pid", text))
+    assert rc != 0 and "78" in codes and codes <= {"78", "-15"}, text[-3000:]
+    assert "cannot run session.save(): it came after session.finish(), which saved the final step" in text, text
+    assert "Traceback (most recent call last)" not in text.split("failed (exitcode")[0], text[-3000:]
 
 
 def supervised(tmp_path: Path, script: str, name: str, mode: str, more: str = "") -> str:
@@ -264,6 +292,23 @@ def test_a_stateful_object_the_run_no_longer_declares_is_warned_of_on_the_consol
     assert "rdzv.conf is not used: one node without rdzv.endpoint runs torchrun --standalone" in out
     doc = status(tmp_path / "runs" / "drop")
     assert [n["attempt"] for n in doc["notes"]] == [2] and says in doc["notes"][0]["text"], doc["notes"]
+
+
+def test_a_script_that_ends_with_its_own_cleanup_after_finish_finishes(tmp_path):
+    """Audit 19: finish() destroyed the process group itself; the tutorial's `dist.destroy_process_group()` after it
+    raised, and the finished run was relaunched until its crash-loop rule (exit 1)."""
+    out = supervised(tmp_path, MISUSE, "cleanup", "cleanup_after_finish")
+    assert "finished at step 4 after 1 attempt(s)" in " ".join(out.split()), out[-3000:]
+
+
+def test_a_scheduler_left_out_of_trainstate_is_warned_of(tmp_path):
+    """Audit 19: never saved, it restarted its schedule at every resume, silently."""
+    from tests.runs import status
+
+    out = " ".join(supervised(tmp_path, MISUSE, "sched", "unheld_scheduler").split())
+    says = "an LR scheduler is attached to the optimizer but not given to TrainState: it is not saved"
+    assert f"rank 0 warns: {says}" in out, out[-3000:]
+    assert says in " ".join(status(tmp_path / "runs" / "sched")["notes"][0]["text"].split())
 
 
 def test_a_script_that_never_calls_finish_is_not_reported_as_a_clean_finish(tmp_path):

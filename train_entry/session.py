@@ -360,6 +360,7 @@ class Session:
             self._exit_config("resume", -1, str(e), everyone_failed=True)
         self.beater.set_phase("load", now=True)
         t_resume = time.monotonic()
+        self._warn_of_unheld_scheduler(state)
         step, tier, why = self._choose_resume_step()
         if state.stateful:
             self._check_stateful(state)
@@ -409,6 +410,17 @@ class Session:
         self.beater.update(step=step or 0, resumed_from=step)
         self.beater.set_phase("train", now=True)
         return step or 0
+
+    def _warn_of_unheld_scheduler(self, state: TrainState) -> None:
+        """An LR scheduler is attached to an optimizer (every torch LRScheduler writes `initial_lr` into its param
+        groups) but not given to TrainState: it is never saved, and each resume restarts its schedule (audit 19: the
+        warmup began again at step 76, silently)."""
+        if state.scheduler is not None:
+            return
+        several = state.optimizer if isinstance(state.optimizer, (list, tuple)) else [state.optimizer]
+        if any("initial_lr" in group for opt in several for group in opt.param_groups):
+            self._warn("an LR scheduler is attached to the optimizer but not given to TrainState: it is not saved, "
+                       "and a resumed run restarts its schedule; pass it, TrainState(model, optimizer, scheduler)")
 
     def _template(self, state: TrainState, keys: set[str]) -> dict[str, Any]:
         ignored = state.undeclared_stateful(keys)
@@ -475,6 +487,10 @@ class Session:
             self._exit_config(f"run session.{call}()", -1, "it came before session.resume(state); call resume "
                               "once, before the training loop: it loads the checkpoint to go on from",
                               everyone_failed=True)
+        if self._finished is not None:  # audit 19: torch's own error, a traceback, and the run relaunched to it
+            self._exit_config(f"run session.{call}()", -1, "it came after session.finish(), which saved the final "
+                              "step and closed the session; end the script with sys.exit(session.finish(step, "
+                              "state)) and train or save nothing after it", everyone_failed=True)
 
     def _step_given(self, call: str, step: Any) -> int:
         """The step as an int, or exit 78: a float step failed every save in a rank traceback (retried as a checkpoint
@@ -699,17 +715,25 @@ class Session:
     def _end_ignored_stop(self, step: int) -> NoReturn:
         """The loop went on past the step where the ranks agreed to stop: it would save every step (should_save says
         yes once stopping) until the supervisor's grace ran out and it killed the ranks as hung. End it as finish()
-        does, with this step saved if the grace allows, and say so."""
-        self._warn(f"the loop went on to step {step} after the ranks agreed to stop at step {self._stop_step}: ended "
-                   "there as finish() does; break out of the loop when session.stop_requested is true")
-        assert self._train_state is not None  # beat() comes after resume()
-        sys.exit(self.finish(step, self._train_state))
+        does, and say so. With the stop's step saved, nothing more is: this beat() comes in the middle of the
+        script's step, whose bookkeeping after it has not run (audit 19: step 64 saved with step 63's data
+        position); with it unsaved, this step is saved if the grace allows, rather than lose the interval."""
+        stop = self._stop_step
+        assert stop is not None and self._train_state is not None  # beat() comes after resume()
+        saved = self.last_saved_step == stop
+        self._warn(f"the loop went on to step {step} after the ranks agreed to stop at step {stop}: ended there as "
+                   f"finish() does{f', step {stop} saved' if saved else ''}; break out of the loop when "
+                   "session.stop_requested is true")
+        sys.exit(self.finish(stop if saved else step, self._train_state))
 
     def finish(self, step: int, state: TrainState) -> int:
         """Save the final step (if not saved yet), wait for the save in flight, say goodbye.
 
         Returns the exit code: 0 when training ended, EXIT_PREEMPTED (75) when stopped by a signal; a second
-        call returns it again and does nothing else.
+        call returns it again and does nothing else. The process group stays up for the script's own ending (a
+        `dist.destroy_process_group()` of its own, a last collective); if the script leaves it, it is destroyed
+        when the interpreter exits. The session saves and beats no more: save() or beat() after it ends the rank
+        with EXIT_CONFIG (78) and one sentence.
         """
         if self._finished is not None:
             return self._finished
@@ -720,8 +744,8 @@ class Session:
         self.ckpt.wait()
         self.beater.stop(phase="exited", exit_code=code, saving_step=None, step=step,  # also where no beat() said it
                          exit_reason="preempted" if code else "finished")
-        dist.destroy_process_group()
-        dist_util.let_collective_threads_settle()  # else the interpreter's teardown can abort this rank (SIGABRT)
+        # The group is left up (audit 19: destroyed here, the tutorial's own cleanup after finish() raised, and the
+        # finished run was relaunched until its crash-loop rule): _at_exit destroys it if the script did not.
         if self.ctx.is_main:
             log.info("%s at step %d", "preempted" if code else "finished", step)
         self._finished = code
@@ -729,11 +753,18 @@ class Session:
 
     def _at_exit(self) -> None:
         """A script that ends without finish(): a save still in flight lands before the interpreter goes (its
-        thread is a daemon, which exit would kill mid-write)."""
+        thread is a daemon, which exit would kill mid-write). After finish(): the process group, unless the script
+        destroyed it, then a pause for the collectives' threads (else the interpreter's teardown can abort this
+        rank with SIGABRT: dist.let_collective_threads_settle)."""
         if self._finished is None and self.ckpt.in_flight is not None and dist.is_initialized():
             self.beater.set_phase("save", now=True)  # a save is not held to progress (finish() says the same)
             with contextlib.suppress(Exception):
                 self.ckpt.wait()
+        if self._finished is not None:  # the ranks ended together: no peer is gone that a destroy could wait on
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+            dist_util.let_collective_threads_settle()
 
     def _exit_unloadable(self, step: int, path: Any, error: BaseException) -> None:
         """The checkpoint handed over cannot be loaded: say so with the traceback in this rank's log, and exit
@@ -780,7 +811,7 @@ def end_as_config(beater: Beater, doing: str, problem: str, *, destroy_group: bo
     heartbeat's last word, and EXIT_CONFIG, which the supervisor stops on rather than retry."""
     log.error("cannot %s: %s (exit %d)", doing, problem, EXIT_CONFIG)
     beater.stop(phase="exited", exit_code=EXIT_CONFIG, exit_reason="config", saving_step=None)
-    if destroy_group:
+    if destroy_group and dist.is_initialized():  # (a script may have destroyed it after finish())
         dist.destroy_process_group()
     leave_now(EXIT_CONFIG)
 
