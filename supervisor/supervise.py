@@ -549,7 +549,10 @@ class Supervisor:
         sig = self._stop_signal or signal.SIGTERM
         self.record.message = outcome.detail if outcome else f"stopped by {signal.Signals(sig).name}"
         self._transition(RunState.STOPPED)
-        self.console.event(f"{self.record.message}; `resilient run` again resumes", style="yellow")
+        again = "resumes"
+        with contextlib.suppress(OSError):  # (audit 19: "newest valid checkpoint: none; ... again resumes")
+            again = "resumes" if self.resume.newest_step() is not None else "starts afresh (no valid checkpoint)"
+        self.console.event(f"{self.record.message}; `resilient run` again {again}", style="yellow")
         return ExitCode.SIGINT if sig == signal.SIGINT else ExitCode.SIGTERM
 
     def _no_room(self, e: OSError) -> int:

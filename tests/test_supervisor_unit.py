@@ -1703,3 +1703,21 @@ def test_a_resume_from_an_older_local_step_passes_over_this_nodes_newer_ones(tmp
     sup.replicator.notify(30)
     sup.on_resumed(10, "local", launched_at=time.time() + 1)
     assert {20, 30} <= sup.replicator._unusable and not sup.replicator.snapshot()["pending"]
+
+
+def test_a_stop_before_any_checkpoint_says_a_rerun_starts_afresh(tmp_path, capsys):
+    """Audit 19: "stopped by SIGTERM ...; `resilient run` again resumes", with no checkpoint to resume from."""
+    import signal
+
+    from supervisor.layout import RunLayout
+    from supervisor.supervise import Supervisor
+    from tests.ckpt_helpers import write_checkpoint
+
+    _, cfg = supervisor_over(tmp_path, keep=3, steps=())
+    sup = Supervisor(cfg, RunLayout(cfg.run_dir, None), launcher=lambda *a: None)
+    sup.request_stop(signal.SIGTERM)
+    sup._stopped(None)
+    assert "stopped by SIGTERM; `resilient run` again starts afresh (no valid checkpoint)" in capsys.readouterr().err
+    write_checkpoint(cfg.checkpoint.dir, 20)
+    sup._stopped(None)
+    assert "stopped by SIGTERM; `resilient run` again resumes" in capsys.readouterr().err
