@@ -597,7 +597,11 @@ class Replicator:
         if self._buffer is None:  # one for the replicator's life: fresh pages cost (see store.keep_spare)
             self._buffer = page_aligned_buffer(CHUNK)
         buf = self._buffer
-        out = HashedFile(tmp, store.hasher(algorithm), direct=True)  # the durable write, around the page cache
+        try:
+            out = HashedFile(tmp, store.hasher(algorithm), direct=True)  # the durable write, around the page cache
+        except FileNotFoundError as e:  # the partial is gone: another node published it (or it was reclaimed)
+            raise LocalSaveReplaced(f"durable {dest.parent.name} was published or emptied by another node while "
+                                    "this node copied into it: copying again") from e
         try:
             try:
                 fin = open(src, "rb", buffering=0)  # noqa: SIM115 (closed by the with below)
@@ -617,7 +621,17 @@ class Replicator:
             raise LocalCopyDamaged(f"{src.name} does not match its manifest's checksum")
         ident = file_identity(tmp)
         with root_lock(self.durable_root, fcntl.LOCK_SH):  # never between a publish's checks and its rename
-            os.replace(tmp, dest)
+            try:
+                os.replace(tmp, dest)
+            except FileNotFoundError as e:
+                # Another node published (or its publish dropped) the partial while this node copied another save
+                # of the step into it (review 16): the temp went with the folder, where it made the published
+                # checkpoint inspect corrupt. Taken out, and the step copied again: no news of the durable tier.
+                final = self.durable_root / store.step_dirname(int(dest.parent.name[5:14]))
+                (final / tmp.name).unlink(missing_ok=True)
+                tmp.unlink(missing_ok=True)
+                raise LocalSaveReplaced(f"durable {dest.parent.name} was published or emptied by another node while "
+                                        "this node copied into it: copying again") from e
         return rec.size, ident
 
     def _try_commit(self, step: int, partial: Path, manifest: store.Manifest) -> bool:

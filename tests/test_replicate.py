@@ -862,3 +862,31 @@ def test_a_local_step_saved_again_while_the_replicator_reads_it_is_copied_as_the
     local = store.inspect(tmp_path / "local-a" / store.step_dirname(10))
     assert durable.valid and local.valid and durable.manifest is not None and local.manifest is not None
     assert store.save_identity(durable.manifest.files) == store.save_identity(local.manifest.files)
+
+
+def test_a_node_copying_another_save_while_one_publishes_leaves_nothing_in_the_published_folder(tmp_path, monkeypatch):
+    """Review 16: node c copies its own save of step 10 into the partial that node a publishes meanwhile. c's temp
+    went with the folder into step_10, which then inspected corrupt ("unlisted file") and was set aside; and c's
+    failure was said as a failing durable tier. The temp is taken out and c copies again."""
+    from supervisor import replicate
+
+    local_checkpoint(tmp_path / "local-a", 10, "a", {"a": [0, 1]})
+    local_checkpoint(tmp_path / "local-c", 10, "c", {"c": [0, 1]}, salt="another save")
+    a, c = replicator(tmp_path, "a"), replicator(tmp_path, "c")
+    final = tmp_path / "durable" / store.step_dirname(10)
+    identity = replicate.file_identity
+    published = []
+
+    def publish_meanwhile(path):  # c has copied a file to its temp, and holds no lock until it renames it
+        if str(path).endswith(".c.tmp") and not published:
+            published.append(path)
+            assert a._replicate(10)  # a publishes the partial c is copying into
+            (final / Path(path).name).write_bytes(b"c's temp, moved with the folder")  # what a late temp leaves
+        return identity(path)
+
+    monkeypatch.setattr(replicate, "file_identity", publish_meanwhile)
+    with pytest.raises(LocalSaveReplaced, match="published or emptied by another node"):
+        c._replicate(10)
+    assert published and [p.name for p in final.iterdir() if p.name.endswith(".tmp")] == []
+    info = store.inspect(final, deep=True)
+    assert info.valid, info.reason
