@@ -556,6 +556,30 @@ def test_status_watch_into_a_pipe_prints_a_snapshot_each_second_until_the_run_en
         assert r.stdout.count("tiny — running") >= 1 and r.stdout.count("tiny — succeeded") == 1, r.stdout
 
 
+def test_status_watch_goes_on_while_any_node_runs_when_another_nodes_supervisor_died(tmp_path, cli):
+    """Audit 18: node b's supervisor was killed just after it wrote its record, the last written; `--watch --json`
+    judged the run by that node and exited 0 at once, while node a relaunched and the run went on."""
+    import threading
+
+    def node(name: str, run_state: state.RunState) -> None:
+        rec = state.RunRecord(name="tiny", run_dir=".", checkpoint_dir="checkpoints", node=name, state=run_state,
+                              supervisor={"pid": 2**22 - 1, "host": socket.gethostname()})
+        state.write(tmp_path / "nodes" / name / "state.json", rec)
+
+    node("a", state.RunState.RUNNING)
+    with RunLock(tmp_path / "nodes" / "a"):
+        node("b", state.RunState.RUNNING)  # written last; its supervisor is gone (no lock held)
+        ends = threading.Timer(1.5, lambda: node("a", state.RunState.SUCCEEDED))
+        ends.start()
+        try:
+            r = cli("status", tmp_path, "--watch", "--json")
+        finally:
+            ends.join()
+    assert r.exit_code == 0, r.output
+    states = [json.loads(line)["state"] for line in r.stdout.splitlines()]
+    assert states[0] == "running" and len(states) >= 2 and states[-1] != "running", states
+
+
 def test_inspect_and_gc_show_and_act_on_both_tiers(tmp_path, cli):
     """A run dir whose nodes keep local tiers: node a's inside the run dir (recorded relative to it), node b's
     outside (recorded as it is). inspect gives each tier a column; gc applies keep and keep_local, and never

@@ -88,7 +88,9 @@ class StatusResult:
 
     @property
     def state(self) -> RunState:
-        """The run's state over its current nodes: running while any node runs; succeeded only if all did."""
+        """The run's state over its current nodes: running while any node runs; succeeded only if all did. What
+        --watch and --wait-ranks wait on (audit 18: on the node that wrote last, a node's killed supervisor ended
+        `--watch --json` with exit 0 while the other node relaunched and the run went on)."""
         states = [n.effective_state for n in self.current]
         for candidate in (RunState.RUNNING, RunState.RESTARTING, RunState.PENDING, RunState.FAILED):
             if candidate in states:
@@ -537,7 +539,7 @@ def wait_for_ranks(target: str | None, timeout_s: float, poll_s: float = 0.2) ->
         if result is not None and result.ranks_ready():
             return result
         now = time.monotonic()
-        ended = result is not None and result.primary.effective_state.final
+        ended = result is not None and result.state.final
         ended_since = (ended_since or now) if ended else None
         # A finished run dir about to be resumed reads "succeeded" until its new supervisor starts: give it time.
         if ended_since is not None and (now - ended_since >= ENDED_GRACE_S or now > deadline):
@@ -628,7 +630,7 @@ def main(target: str | None, as_json: bool, watch: bool, *, plot: str | None = N
     from rich.live import Live
 
     with Live(result.renderable(), console=render.out, refresh_per_second=4) as live:
-        while not result.primary.effective_state.final:
+        while not result.state.final:
             time.sleep(interval_s)
             result = collect(target)
             live.update(result.renderable())
@@ -648,7 +650,7 @@ def _watch_lines(target: str | None, result: StatusResult, as_json: bool, interv
                 text = shown.get() + "\n"
             sys.stdout.write(text)
             sys.stdout.flush()
-            if result.primary.effective_state.final:
+            if result.state.final:
                 return ExitCode.OK
             time.sleep(interval_s)
             result = collect(target)
