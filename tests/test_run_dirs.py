@@ -882,3 +882,25 @@ def test_a_lock_file_in_the_run_dir_that_is_a_link_is_refused_and_its_target_lef
     with pytest.raises(ConfigError, match="is a link to"):  # the lock itself, past the check (a race)
         RunLock(run_dir).acquire()
     assert victim.read_text() == "precious"
+
+
+def test_a_node_started_with_another_job_than_the_running_nodes_is_refused_naming_the_key(tmp_path, cli,
+                                                                                          monkeypatch):
+    """Audit 18: node b ran another checkpoint interval than node a; both started without a word, their ranks waited
+    for each other in different collectives, and the run ended in a crash loop of hangs, nothing naming the cause."""
+    job = tmp_path / "mn.yaml"
+    job.write_text(JOB.replace("checkpoint: {keep: 3}", "checkpoint: {keep: 3, interval_steps: 20}") +
+                   'nnodes: "1:2"\nrdzv: {endpoint: "127.0.0.1:29999"}\n')
+    monkeypatch.setattr("supervisor.commands.run.make_launcher", finished_attempt)
+    run_dir = tmp_path / "run"
+    assert cli("run", job, "--run-dir", run_dir, "--node", "a").exit_code == 0
+    with RunLock(run_dir / "nodes" / "a"):  # node a runs
+        r = cli("run", job, "--run-dir", run_dir, "--node", "b", "--set", "checkpoint.interval_steps=30")
+        assert r.exit_code == 2, r.output
+        assert r.stderr.startswith("resilient: checkpoint.interval_steps is 30 here but 20 in the job of the running "
+                                   "node(s) a"), r.stderr
+        assert "Traceback" not in r.output and not (run_dir / "nodes" / "b").exists()
+        assert cli("run", job, "--run-dir", run_dir, "--node", "b").exit_code == 0  # the same job: it runs
+    # nobody runs: a changed job is the user's to start (the run's record follows it)
+    assert cli("run", job, "--run-dir", run_dir, "--node", "b", "--set", "checkpoint.interval_steps=30"
+               ).exit_code == 0

@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from supervisor import prewarm, slurm, state, targets
+from supervisor import lock, prewarm, slurm, state, targets
 from supervisor.config import NAME_RE, RDZV_CONF_KEYS, JobConfig, load_job
 from supervisor.console import EventConsole
 from supervisor.errors import ConfigError, ResilientError, UsageError
@@ -30,6 +30,7 @@ from supervisor.layout import (
     RunLayout,
     inside,
     looks_like_run_dir,
+    node_dirs,
 )
 from supervisor.lock import OWNERS_DIR, RootClaim, RunLock
 from supervisor.protocol import rank_process
@@ -119,6 +120,40 @@ def check_same_job(cfg: JobConfig, layout: RunLayout) -> None:
         raise ConfigError(f"{layout.run_dir} holds the run of job {recorded!r} (its {layout.job_file.name}), not "
                           f"{cfg.name!r}; nothing was launched. Give this job a run dir of its own (--run-dir), or, "
                           f"if it is the same job renamed, run it with --set name={recorded}.")
+
+
+# What every node of a run must run alike: ranks of nodes that differ in one wait for each other in different
+# collectives (audit 18: another checkpoint interval on one node, a crash loop of hangs with no word of the cause).
+SAME_ON_EVERY_NODE = (("entrypoint", "module"), ("entrypoint", "script"), ("entrypoint", "args"), ("nnodes",),
+                      ("rdzv", "endpoint"), ("rdzv", "id"), ("checkpoint", "dir"), ("checkpoint", "interval_steps"),
+                      ("checkpoint", "async_save"), ("checkpoint", "local_dir"))
+
+
+def check_same_job_as_live_nodes(cfg: JobConfig, layout: RunLayout) -> None:
+    """A node started with another job file (or other --set's) than the nodes that run now: refused, naming the
+    key. The run's job record is the one the last node to start wrote; it stands for the live nodes'."""
+    if layout.node is None:
+        return
+    live = sorted(d.name for d in node_dirs(layout.run_dir) if d != layout.node_dir and lock.holder(d) is not None)
+    if not live:
+        return
+    try:
+        theirs = read_json(layout.job_file)["job"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    mine = cfg.to_dict(relative_to=cfg.run_dir)
+    for key in SAME_ON_EVERY_NODE:
+        here, there = mine, theirs
+        for part in key:
+            here = here.get(part) if isinstance(here, dict) else None
+            there = there.get(part) if isinstance(there, dict) else None
+        if key == ("entrypoint", "script") and here and there:  # each node's checkout may lie elsewhere
+            here, there = Path(here).name, Path(there).name
+        if here != there:
+            dotted = ".".join(key)
+            raise ConfigError(f"{dotted} is {here!r} here but {there!r} in the job of the running node(s) "
+                              f"{', '.join(live)} ({layout.job_file}); nothing was launched. Start every node with "
+                              "the same job file and the same --set options.")
 
 
 # What a user keeps beside a run (the job file, notes), besides layout.RUN_DIR_NAMES: anything else means the folder
@@ -291,6 +326,7 @@ def _run(job: str, overrides: list[str], node: str | None) -> int:
     check_run_dir_is_a_run_dir(cfg, layout, local)
     check_no_links_out(cfg, layout, local)
     check_same_job(cfg, layout)
+    check_same_job_as_live_nodes(cfg, layout)
     claims = [RootClaim(cfg.checkpoint.dir, cfg.run_dir, job=cfg.name)]
     if local is not None:  # a node's own: two nodes on one host (or a shared folder) must not take one local_dir
         claims.insert(0, RootClaim(local, cfg.run_dir, "checkpoint.local_dir", node=layout.node_name, job=cfg.name,
