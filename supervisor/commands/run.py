@@ -18,7 +18,7 @@ import psutil
 from supervisor import lock, prewarm, slurm, state, targets
 from supervisor.config import NAME_RE, RDZV_CONF_KEYS, JobConfig, load_job
 from supervisor.console import EventConsole
-from supervisor.errors import ConfigError, ResilientError, UsageError
+from supervisor.errors import ConfigError, ExitCode, ResilientError, UsageError
 from supervisor.fsutil import NO_ROOM, how_to_make_writable, node_local_locks, read_json, write_problem
 from supervisor.layout import (
     HEARTBEATS_DIR,
@@ -31,6 +31,7 @@ from supervisor.layout import (
     inside,
     looks_like_run_dir,
     node_dirs,
+    state_files,
 )
 from supervisor.lock import OWNERS_DIR, RootClaim, RunLock
 from supervisor.protocol import rank_process
@@ -137,10 +138,21 @@ def check_same_job_as_live_nodes(cfg: JobConfig, layout: RunLayout) -> None:
     live = sorted(d.name for d in node_dirs(layout.run_dir) if d != layout.node_dir and lock.holder(d) is not None)
     if not live:
         return
+    differs = _differing_key(cfg, layout)
+    if differs is not None:
+        dotted, here, there = differs
+        raise ConfigError(f"{dotted} is {here!r} here but {there!r} in the job of the running node(s) "
+                          f"{', '.join(live)} ({layout.job_file}); nothing was launched. Start every node with "
+                          "the same job file and the same --set options.")
+
+
+def _differing_key(cfg: JobConfig, layout: RunLayout) -> tuple[str, Any, Any] | None:
+    """The first key every node must share where this job differs from the run's recorded one (key, here, there);
+    None when they agree or no job is recorded."""
     try:
         theirs = read_json(layout.job_file)["job"]
     except (OSError, ValueError, KeyError, TypeError):
-        return
+        return None
     mine = cfg.to_dict(relative_to=cfg.run_dir)
     for key in SAME_ON_EVERY_NODE:
         here, there = mine, theirs
@@ -150,10 +162,32 @@ def check_same_job_as_live_nodes(cfg: JobConfig, layout: RunLayout) -> None:
         if key == ("entrypoint", "script") and here and there:  # each node's checkout may lie elsewhere
             here, there = Path(here).name, Path(there).name
         if here != there:
-            dotted = ".".join(key)
-            raise ConfigError(f"{dotted} is {here!r} here but {there!r} in the job of the running node(s) "
-                              f"{', '.join(live)} ({layout.job_file}); nothing was launched. Start every node with "
-                              "the same job file and the same --set options.")
+            return ".".join(key), here, there
+    return None
+
+
+def already_finished(cfg: JobConfig, layout: RunLayout) -> str | None:
+    """Several nodes: every node of the run finished with this very job, and none runs. A node started again alone
+    (an operator re-running one host, a retried Slurm step) waited in the rendezvous for nodes that never came,
+    until join_timeout, then failed and turned the finished run's state to failed (audit 18). What to say instead,
+    or None to go on (a changed job, more --steps, trains on; one node's own rerun does on a single node)."""
+    if cfg.nnodes == "1" or layout.node is None:
+        return None
+    nodes = state.read_nodes(state_files(layout.run_dir))
+    others_alive = [n.alive and n.node_dir != layout.node_dir for n in nodes]  # this node's lock is ours now
+    if not nodes or any(n.record is None for n in nodes) or any(others_alive):
+        return None
+    records = [(n.record, False) for n in nodes if n.record is not None]
+    current = [rec for (rec, _), gone in zip(records, state.retired(records), strict=True) if not gone]
+    if len(current) < cfg.nnodes_range[0] or any(rec.state is not state.RunState.SUCCEEDED for rec in current):
+        return None  # (fewer nodes than the job's minimum never finished it: a node of it yet to start)
+    if _differing_key(cfg, layout) is not None:
+        return None
+    step = max((rec.step or 0 for rec in current), default=0)
+    names = ", ".join(sorted(rec.node or "?" for rec in current))
+    return (f"the run already finished at step {step} on node(s) {names} with this job: nothing was launched (alone, "
+            "this node would wait in the rendezvous for nodes that are done); change the job (more --steps) to train "
+            "on")
 
 
 # What a user keeps beside a run (the job file, notes), besides layout.RUN_DIR_NAMES: anything else means the folder
@@ -370,6 +404,9 @@ def _run(job: str, overrides: list[str], node: str | None) -> int:
         too_long = slurm.stop_outlasts_kill_wait(cfg.stop_timeout_s, slurm.kill_wait_s())
         if too_long:
             console.event(too_long, style="yellow")
+        if (done := already_finished(cfg, layout)) is not None:
+            console.event(done, style="green")
+            return ExitCode.OK
         reap_orphans(layout, cfg, console)
         sup = Supervisor(cfg, layout, console=console, launcher=make_launcher(),
                          keep_claims=lambda: [claim.reassert() for claim in claims],
