@@ -822,6 +822,8 @@ def test_nodes_the_run_went_on_without_are_retired_and_do_not_count(tmp_path, cl
     said = " ".join(cli("status", run_dir).stdout.split())
     assert "retired: the run went on without it" in said and "c: succeeded, attempt 1, 0 restart(s), goodput 60.0%" \
         in said, said
+    primary = max(("c", "d"), key=lambda n: state.read(run_dir / "nodes" / n / "state.json").updated_at)
+    assert f"succeeded node {primary}'s view: attempt 1" in said, said  # whose record the lines below are (audit 18)
     shutil.rmtree(run_dir / "nodes" / "c")
     shutil.rmtree(run_dir / "nodes" / "d")
     doc = json.loads(cli("status", run_dir, "--json").stdout)  # nobody followed them: a stopped run

@@ -224,8 +224,11 @@ class StatusResult:
             alive = Text(stale, style="yellow")
         ckpt = rec.last_checkpoint_step if rec.last_checkpoint_step is not None else "-"
         gone = self.recorded_checkpoint_gone()
+        # Several nodes: the lines below are one node's record, the last written (audit 18: its goodput and restarts
+        # jumped from node to node, unnamed); `nodes` lists each one's.
+        view = f"node {rec.node}'s view: " if len(self.nodes) > 1 else ""
         lines: list[str | Text] = [
-            Text.assemble((rec.name, "bold"), " — ", render.styled(st), f"   attempt {rec.attempt} · "
+            Text.assemble((rec.name, "bold"), " — ", render.styled(st), f"   {view}attempt {rec.attempt} · "
                           f"{rec.restarts} restart(s), {rec.max_restarts} allowed per run"),
             Text.assemble(f"run dir   {self.run_dir} · supervisor pid {sup.get('pid', '-')} on "
                           f"{sup.get('host', '-')} (", alive, ")"),
