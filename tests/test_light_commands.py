@@ -1257,3 +1257,18 @@ def test_inspect_counts_a_local_step_only_when_every_node_holds_the_same_save_of
     assert r.exit_code == 1 and "step 200: not valid in every node's local tier" in r.stdout, r.output
     r = cli("inspect-checkpoint", run_dir, "--step", "150")  # the same save on both (their own shards)
     assert r.exit_code == 0 and "step 150: valid in every node's local tier" in r.stdout, r.output
+
+
+def test_status_says_a_live_attempt_with_no_rank_yet_waits_for_its_group(tmp_path, cli):
+    """Audit 18: a node waiting in the rendezvous for a lost peer read as plain "running", no word of why."""
+    rec = state.RunRecord(name="tiny", run_dir=".", checkpoint_dir="checkpoints", state=state.RunState.RUNNING,
+                          attempt=2, min_nodes=2, supervisor={"pid": os.getpid(), "host": socket.gethostname()})
+    rec.history = [state.AttemptRecord(attempt=2, started_at=time.time() - 34, resumed_from_step=100)]
+    state.write(tmp_path / "state.json", rec)
+    with RunLock(tmp_path):
+        said = " ".join(cli("status", tmp_path).stdout.split())
+        assert re.search(r"waiting attempt 2's torchrun has started no rank for 3[45](\.\d)?s: it waits in the "
+                         r"rendezvous for at least 2 node\(s\)", said), said
+        rec.history[0].world_size = 2  # its ranks began
+        state.write(tmp_path / "state.json", rec)
+        assert "waiting" not in cli("status", tmp_path).stdout

@@ -256,8 +256,12 @@ class StatusResult:
                 nodes += [" · " if i else "", f"{n.record.node}: ", render.styled(n.effective_state.value),
                           f", attempt {n.record.attempt}, {n.record.restarts} restart(s){books}{self._node_note(n)}"]
             lines.append(Text.assemble(*nodes))
-        parts: list[Any] = [Text(line) if isinstance(line, str) else line for line in lines]
         current = rec.history[-1] if rec.history else None
+        for n in self.current:  # audit 18: a node waiting for its peers read as plain "running", no word of why
+            if (waiting := _forming(n, self.now)) is not None:
+                named = f"node {n.record.node}: " if len(self.nodes) > 1 else ""
+                lines.append(Text(f"waiting   {named}{waiting}", style="yellow"))
+        parts: list[Any] = [Text(line) if isinstance(line, str) else line for line in lines]
         if current is not None and current.resumed_tier:
             parts.append(Text(f"resumed   step {current.resumed_from_step} from the {current.resumed_tier} tier"
                               + (f" ({current.resumed_why})" if current.resumed_why else "")))
@@ -375,6 +379,22 @@ def replication_lines(node: NodeStatus, now: float, *, named: bool) -> list[Text
         out.append(Text(f"deleted local step(s) {r['deleted_unreplicated']} that had no durable copy (the durable "
                         "tier failed longer than checkpoint.durable_outage_s)", style="bold red"))
     return out
+
+
+FORMING_NOTE_S = 10.0  # a launch whose ranks have not begun after this long is said to be waiting for its group
+
+
+def _forming(n: NodeStatus, now: float) -> str | None:
+    """A live supervisor's attempt whose torchrun has started no rank for a while: it waits in the rendezvous for
+    the group to form (the other nodes), or its ranks are slow to start; said with the job's node count."""
+    rec = n.record
+    last = rec.history[-1] if rec.history else None
+    if not n.supervisor_alive or n.effective_state is not RunState.RUNNING or rec.ranks or last is None \
+            or last.ended_at is not None or last.world_size is not None or now - last.started_at < FORMING_NOTE_S:
+        return None
+    need = f"at least {rec.min_nodes} node(s)" if (rec.min_nodes or 1) > 1 else "its ranks"
+    return (f"attempt {last.attempt}'s torchrun has started no rank for {render.human_duration(now - last.started_at)}"
+            f": it waits in the rendezvous for {need} (up to rdzv.conf.join_timeout), or its ranks are starting")
 
 
 def settle_orphan(rec: RunRecord, node_dir: Path, root: Path, run_dir: Path) -> None:
