@@ -148,7 +148,11 @@ class Holder:
 
 
 class Late:
+    armed = False  # state_dict() raises once armed (mode state_dict_raises)
+
     def state_dict(self):
+        if Late.armed:
+            raise KeyError("a bug in the user's state_dict")
         return {"n": 1}
 
     def load_state_dict(self, sd):
@@ -164,7 +168,7 @@ if mode == "foreign_parameter":  # as an optimizer built before fully_shard, whi
     opt = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(1))], lr=0.01)
 extra = {"best": float("nan"), "pair": (1, 2)}
 stateful = {"holder": PerRank(Holder())} if mode == "unpicklable" else {}
-if mode == "dropped" and attempt == 1:  # declared by the first attempt only
+if mode == "dropped" and attempt == 1 or mode == "state_dict_raises":  # "dropped": by the first attempt only
     stateful = {"late": PerRank(Late())}
 if mode == "unheld_scheduler":  # attached to the optimizer, not given to TrainState
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)
@@ -174,6 +178,7 @@ if mode == "save_before_resume":
 if mode == "bare_before_resume":
     state.stateful["late"] = Late()  # not declared Replicated, Sharded or PerRank
 step = session.resume(state)
+Late.armed = mode == "state_dict_raises"
 if mode == "added_after_resume":
     state.stateful["late"] = PerRank(Late())
 while step < (8 if mode in ("ignore_stop", "dropped") else 4):
@@ -207,6 +212,7 @@ sys.exit(session.finish(step, state))
     ("bare_before_resume", "stateful['late'] is a bare Late: declare how its state is spread over the ranks"),
     ("foreign_parameter", "cannot train: TrainState(model, optimizer): the optimizer holds a parameter that is not "
                           "one of model.parameters()"),
+    ("state_dict_raises", "cannot save step 2: stateful 'late' (Late, PerRank): its state_dict() raised KeyError"),
 ])
 def test_a_misuse_of_the_library_ends_every_rank_with_exit_78_and_one_sentence(tmp_path, mode, says):
     """Each of these was a traceback and exit 1 (retried, as a passing fault would be), a hang, or a silent change
@@ -227,7 +233,10 @@ def test_a_misuse_of_the_library_ends_every_rank_with_exit_78_and_one_sentence(t
     # call (see TWO_OPTIMIZERS below) once made it rank 0's code; the library now leaves without that teardown.
     assert "78" in codes and set(codes) <= {"78", "-15"}, text[-3000:]
     ranks_said = text.split("failed (exitcode")[0]  # torchrun's own report of it follows, with its own traceback
-    assert "Traceback (most recent call last)" not in ranks_said, ranks_said[-3000:]
+    if mode == "state_dict_raises":  # the user's own code failed: its traceback, then the sentence, last
+        assert ranks_said.count("Traceback (most recent call last)") >= 1 and "in state_dict" in ranks_said
+    else:
+        assert "Traceback (most recent call last)" not in ranks_said, ranks_said[-3000:]
     assert not list((tmp_path / "ckpt").glob("step_*")) if (tmp_path / "ckpt").is_dir() else True
 
 

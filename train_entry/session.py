@@ -677,6 +677,8 @@ class Session:
         try:
             sd = state.state_dict(self.rank, self.device)
         except StatefulError as e:  # the same script on every rank: every rank ends here alike
+            if e.__cause__ is not None:  # the object's own exception: where in its code, before the sentence
+                log.error("stateful state_dict() failed at save step %d", state.step, exc_info=e.__cause__)
             self._exit_config(f"save step {state.step}", -1, str(e), everyone_failed=True)
         keys = state.replicated_keys()
         if self.world_size == 1:

@@ -235,7 +235,12 @@ class StatefulSet:
         """The top-level checkpoint entries of every declared object, for this rank."""
         sd: dict[str, Any] = {}
         for name, decl in self.declared.items():
-            state = decl.obj.state_dict()
+            try:
+                state = decl.obj.state_dict()
+            except Exception as e:  # audit 19: a traceback and exit 1, retried from the last checkpoint to it again
+                raise StatefulError(f"{self.describe(name, decl)}: its state_dict() raised {type(e).__name__}: "
+                                    f"{str(e).strip()[:200]}; every save calls it (the rank's log has the "
+                                    "traceback)") from e
             if isinstance(decl, Sharded):
                 sd[f"sharded.{name}"] = state
             elif isinstance(decl, Replicated):
