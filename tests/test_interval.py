@@ -199,6 +199,10 @@ def test_beat_counts_optimizer_steps_and_refuses_a_count_that_goes_back_or_outru
         s.save(2, SimpleNamespace())
     assert said[-1].startswith("cannot save step 2: save(2) came after beat(4): beat() and save() must count the same "
                                "steps, the optimizer's")
+    s.last_saved_step = 2  # already saved: still refused (audit 19: skipped in silence)
+    with pytest.raises(SystemExit):
+        s.save(2, SimpleNamespace())
+    assert said[-1].startswith("cannot save step 2: save(2) came after beat(4)")
     # Review 9: a float step failed every save in a traceback (retried as a checkpoint failure) and a numpy one
     # every heartbeat write (the rank killed as hung); both are the training step given in the wrong type.
     import numpy as np

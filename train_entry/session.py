@@ -626,12 +626,13 @@ class Session:
         grace cannot fit a save)."""
         self._require_resumed("save")
         step = self._step_given("save", step)
-        if step == self.last_saved_step:
-            return None
         if self._beat_step is not None and step < self._beat_step:  # micro-steps in beat(): lost steps, the interval
+            # (before the already-saved skip, audit 19: save(25) after beat(30) passed in silence when 25 was saved)
             self._exit_config(f"save step {step}", -1, f"save({step}) came after beat({self._beat_step}): beat() and "
                               "save() must count the same steps, the optimizer's (a micro-batch count in beat() "
                               "misleads the supervisor's lost-step and interval accounting)", everyone_failed=True)
+        if step == self.last_saved_step:
+            return None
         if self._beat_step is None and step > (self.resumed_from or 0) and not self._beat_warned:
             self._beat_warned = True  # audit 12: the run "finished at step 0", its hangs caught only after the startup
             self._warn(f"save({step}) with no session.beat() before it: call session.beat(step, loss) every step; "
