@@ -47,9 +47,10 @@ class RunLock:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
             who = holder(self.path.parent) or {}
+            other = "--node" if self.path.parent.parent.name == "nodes" else "--run-dir"  # a node's folder (audit 18)
             raise RunLockedError(
                 f"{self.path.parent} is held by another live supervisor (pid {who.get('pid', '?')} on "
-                f"{who.get('host', '?')}); stop it first, or pick another --run-dir."
+                f"{who.get('host', '?')}); stop it first, or pick another {other}."
             ) from None
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         with _named_on_error(fd, self.path):

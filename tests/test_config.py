@@ -128,8 +128,8 @@ def test_odd_arguments_and_a_self_containing_alias_are_one_sentence(tmp_path, cl
 
 def test_a_node_name_that_is_not_a_folder_name_is_refused_before_anything_is_created(tmp_path, cli):
     path = write(tmp_path, GOOD)
-    for bad in ("../../escaped", "/tmp/abs", "..", "a\n", ""):
-        result = cli("run", path, "--node", bad)
+    for bad in ("../../escaped", "/tmp/abs", "..", "a\n", "", "-x"):  # -x: a folder shells trip over (audit 18)
+        result = cli("run", path, f"--node={bad}")
         assert result.exit_code == 2 and "a node name is 1 to 100 letters" in result.stderr, result.output
     assert not (tmp_path / "runs").exists()
 
@@ -420,3 +420,16 @@ def test_rdzv_store_stopped_by_a_signal_exits_as_the_exit_code_table_says(tmp_pa
         wait_for(lambda: "listening" in store.output(), 60, "the store")
         store.signal(getattr(signal, sig))
         assert store.wait(30) == code, store.output()
+
+
+def test_a_node_name_another_live_supervisor_holds_is_refused_with_the_node_named_as_the_fix(tmp_path, cli):
+    """Audit 18: the hint said to pick another --run-dir, where another --node is what the user means."""
+    from supervisor.lock import RunLock
+
+    job = tmp_path / "mn.yaml"
+    job.write_text(GOOD + 'nnodes: "1:2"\nrdzv: {endpoint: "127.0.0.1:29999"}\n')
+    run_dir = tmp_path / "run"
+    with RunLock(run_dir / "nodes" / "a"):
+        result = cli("run", job, "--run-dir", run_dir, "--node", "a")
+    assert result.exit_code == 3 and "held by another live supervisor" in result.stderr, result.output
+    assert result.stderr.rstrip().endswith("stop it first, or pick another --node."), result.stderr

@@ -240,11 +240,11 @@ def node_name(cfg: JobConfig, node: str | None) -> str | None:
     if name is None and cfg.nnodes == "1":
         return None
     name = name or socket.gethostname()
-    if not NAME_RE.fullmatch(name):
+    if not NAME_RE.fullmatch(name) or name.startswith("-"):  # audit 18: `--node -x`, a folder shells trip over
         given = f"--node {name}" if node else f"RESILIENT_NODE={name}" if os.environ.get("RESILIENT_NODE") else \
             f"the host name {name!r}"
-        raise UsageError(f"{given}: a node name is 1 to 100 letters, digits, '.', '_' or '-' (not only dots): it names "
-                         "the node's folder in the run dir; pass --node with such a name.")
+        raise UsageError(f"{given}: a node name is 1 to 100 letters, digits, '.', '_' or '-' (not only dots, not "
+                         "starting with '-'): it names the node's folder in the run dir; pass --node with such a name.")
     return name
 
 
