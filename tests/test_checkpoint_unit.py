@@ -507,6 +507,31 @@ def test_a_durable_copy_published_after_the_launch_of_a_save_from_before_it_is_n
     assert Session._decide(me, [(True, 10, launched)]) == 20
 
 
+def test_this_attempts_saves_are_known_by_torchruns_group_id_not_by_clocks(tmp_path, monkeypatch):
+    """Review 16: "saved after the launch" compared the saving node's clock with the supervisors': a node's clock
+    ahead made a step saved before a NaN's relaunch "this attempt's", and the ranks were handed the step the rollback
+    passed over. A save records torchrun's group id (new at every launch); by the time only without one."""
+    import time
+    from types import SimpleNamespace
+
+    from supervisor import store
+    from tests.ckpt_helpers import write_checkpoint
+    from train_entry.session import GROUP_ENV, Session
+
+    root = tmp_path / "ckpt"
+    write_checkpoint(root, 10)
+    launched = time.time() - 60
+    for step, group in ((40, "the previous attempt's group"), (30, "this group")):
+        partial = write_checkpoint(root, step, commit=False, close=False)
+        records = store.describe_files(partial.path, ["__0_0.distcp", "__1_0.distcp", ".metadata"])
+        partial.commit(2, records, extra={"torchelastic_run_id": group})  # both dated after the launch
+    me = SimpleNamespace(ckpt=SimpleNamespace(durable_root=root))
+    monkeypatch.setenv(GROUP_ENV, "this group")
+    assert Session._decide(me, [(True, 10, launched)]) == 30
+    monkeypatch.setenv(GROUP_ENV, "the next group")
+    assert Session._decide(me, [(True, 10, launched)]) == 10
+
+
 def test_a_small_file_another_node_sends_for_the_local_tier_must_be_the_bytes_its_rank_wrote(tmp_path):
     """Review 13: the bytes, read back from the sender's disk, were checksummed only as received: a bad read-back
     made a local checkpoint that holds other bytes than the rank wrote, and valid by its own manifest."""

@@ -59,6 +59,7 @@ SYNC_TARGET_S = 1.0  # then about this much training per agreement (a stop waits
 SYNC_MAX_STEPS = 50
 DEFAULT_GRACE_S = 25.0  # torchrun's shutdown timeout is 30 s: leave room to exit
 GRACE_MARGIN_S = 2.0
+GROUP_ENV = "TORCHELASTIC_RUN_ID"  # torchrun's id of the rendezvous its workers formed, new at each launch
 REGROUP_COPY_WAIT_S = 300.0  # a regroup's save, local only: how long rank 0 waits for its durable copy, at most
 REGROUP_COPY_POLL_S = 0.5
 
@@ -231,8 +232,7 @@ class Session:
             info = store.inspect(path)
             if not info.valid or info.manifest is None:
                 continue
-            saved = store.saved_time(info.created_at, info.manifest.extra)
-            if saved is None or saved <= h.launched_at:
+            if not _saved_by_this_attempt(info.manifest, h.launched_at):
                 return None  # the newest valid one is older than the launch
             return info.step, store.save_identity(info.manifest.files)
         return None
@@ -276,8 +276,7 @@ class Session:
                 info = store.inspect(path)
                 # when it was saved: a durable copy's created_at is its publish (review 13: the replicator still
                 # copying a step a rollback passed over made it "committed by this attempt", and it came back)
-                saved = store.saved_time(info.created_at, info.manifest.extra) if info.manifest else None
-                if info.valid and saved is not None and saved > launched:
+                if info.valid and info.manifest is not None and _saved_by_this_attempt(info.manifest, launched):
                     newer = info
                     break
         if newer is not None and (not handed or newer.step > handed[0]):
@@ -666,6 +665,8 @@ class Session:
                 log.warning("stopping without a checkpoint of step %d: the grace period is too short", step)
             return None
         extra = {"samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen}
+        if (group := os.environ.get(GROUP_ENV)) is not None:  # which torchrun group saved it: this attempt's?
+            extra["torchelastic_run_id"] = group
         blocking = self.ckpt.save(step, lambda: self._state_dict(state), sync=sync, extra=extra)
         self.last_saved_step = step
         self.beater.record_save(SaveRecord(step, time.time(), blocking))
@@ -791,6 +792,19 @@ class Session:
             self.beater.stop(phase="exited", exit_code=EXIT_NAN, exit_reason=f"nan at step {step}", saving_step=None)
         dist_util.let_collective_threads_settle()  # the exit code, not a teardown's SIGABRT
         sys.exit(EXIT_NAN)
+
+
+def _saved_by_this_attempt(manifest: store.Manifest, launched_at: float) -> bool:
+    """Whether a checkpoint was saved by this attempt, by an earlier worker group of its torchrun (the group
+    re-formed in place). By torchrun's group id, which every attempt's launch makes anew: the save time against
+    the launch compared clocks of different machines (review 16: a node's clock ahead made a step a rollback
+    passed over "this attempt's", and handed it back). Without the id (a checkpoint from before it was recorded),
+    by the save time."""
+    group = manifest.extra.get("torchelastic_run_id")
+    if isinstance(group, str):
+        return group == os.environ.get(GROUP_ENV)
+    saved = store.saved_time(manifest.created_at, manifest.extra)
+    return saved is not None and saved > launched_at
 
 
 def _misuse_ends_in_config(beater: Beater) -> None:
