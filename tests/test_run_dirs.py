@@ -894,35 +894,21 @@ def test_a_node_started_with_another_job_than_the_running_nodes_is_refused_namin
     monkeypatch.setattr("supervisor.commands.run.make_launcher", finished_attempt)
     run_dir = tmp_path / "run"
     assert cli("run", job, "--run-dir", run_dir, "--node", "a").exit_code == 0
-    with RunLock(run_dir / "nodes" / "a"):  # node a runs
+    with RunLock(run_dir / "nodes" / "a"):  # node a runs, and has written the run's job record since
+        recorded = run_dir / "job.json"
+        os.utime(recorded)
         r = cli("run", job, "--run-dir", run_dir, "--node", "b", "--set", "checkpoint.interval_steps=30")
         assert r.exit_code == 2, r.output
         assert r.stderr.startswith("resilient: checkpoint.interval_steps is 30 here but 20 in the job of the running "
                                    "node(s) a"), r.stderr
         assert "Traceback" not in r.output and not (run_dir / "nodes" / "b").exists()
         assert cli("run", job, "--run-dir", run_dir, "--node", "b").exit_code == 0  # the same job: it runs
+        # a record from before node a held its lock is a past job's, not compared (review 17: nodes started together
+        # with a changed job refused each other)
+        os.utime(recorded, (1.0, 1.0))
+        assert cli("run", job, "--run-dir", run_dir, "--node", "b", "--set", "checkpoint.interval_steps=30"
+                   ).exit_code == 0
     # nobody runs: a changed job is the user's to start (the run's record follows it)
     assert cli("run", job, "--run-dir", run_dir, "--node", "b", "--set", "checkpoint.interval_steps=30"
                ).exit_code == 0
 
-
-def test_one_node_started_again_on_a_finished_run_of_several_says_so_and_launches_nothing(tmp_path, cli,
-                                                                                         monkeypatch):
-    """Audit 18: node b run again alone on a finished 2-node run waited in the rendezvous until join_timeout, exited
-    1 and turned the run's state from succeeded to failed. A changed job (more steps) still trains on."""
-    job = tmp_path / "mn.yaml"
-    job.write_text(JOB + 'nnodes: "2"\nrdzv: {endpoint: "127.0.0.1:29999"}\n')
-    monkeypatch.setattr("supervisor.commands.run.make_launcher", finished_attempt)
-    run_dir = tmp_path / "run"
-    for node in ("a", "b"):
-        assert cli("run", job, "--run-dir", run_dir, "--node", node).exit_code == 0
-    before = status(run_dir)
-    r = cli("run", job, "--run-dir", run_dir, "--node", "b")
-    assert r.exit_code == 0, r.output
-    assert "the run already finished at step 60 on node(s) a, b with this job: nothing was launched" in \
-        " ".join(r.output.split()), r.output
-    after = status(run_dir)
-    assert after["state"] == "succeeded" and len(after["history"]) == len(before["history"]), after
-    r = cli("run", job, "--run-dir", run_dir, "--node", "b", "--set", 'entrypoint.args=["--steps", "200"]')
-    assert r.exit_code == 0 and "already finished" not in r.output, r.output
-    assert len(status(run_dir)["history"]) == len(before["history"]) + 1

@@ -226,7 +226,7 @@ class Session:
         checkpoint an earlier worker group of the attempt took when torchrun re-formed the group in place (a node
         joined). None without a local tier, unsupervised, or without one."""
         h = self.handover
-        if not self.ckpt.local or not h.supervised or h.launched_at is None:
+        if not self.ckpt.local or not h.supervised or h.launched_at is None or not self.ckpt.root.is_dir():
             return None
         for path in reversed(store.checkpoint_dirs(self.ckpt.root)):
             info = store.inspect(path)
@@ -242,7 +242,7 @@ class Session:
         """The group re-formed after its ranks saved `step` to their nodes' local tiers, which the larger group
         cannot read (the world changed): wait, bounded, for the supervisors to copy it to the durable tier, rather
         than resume from an older durable step (review 16: the steps since the attempt's launch were lost)."""
-        if decided[1] == "local" or (decided[0] is not None and decided[0] >= step):
+        if decided[0] is not None and decided[0] >= step:
             return decided
         limit = min(REGROUP_COPY_WAIT_S, 0.5 * (self.handover.collective_timeout_s or 600.0))  # the others wait
         path = self.ckpt.durable_root / store.step_dirname(step)  # in a collective meanwhile
@@ -254,7 +254,7 @@ class Session:
             if info is not None and info.valid and info.manifest is not None \
                     and store.save_identity(info.manifest.files) == identity:
                 return step, "durable", f"the group re-formed: step {step}, saved at the regroup, copied durably"
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self.stop:  # (a stop: no longer worth the wait)
                 log.warning("the durable copy of step %d, saved when the group re-formed, did not come within %.0fs:"
                             " resuming from %s", step, limit, decided[0] if decided[0] is not None else "step 0")
                 return decided
@@ -414,7 +414,8 @@ class Session:
         """An LR scheduler is attached to an optimizer (every torch LRScheduler writes `initial_lr` into its param
         groups) but not given to TrainState: it is never saved, and each resume restarts its schedule (audit 19: the
         warmup began again at step 76, silently)."""
-        if state.scheduler is not None:
+        if state.scheduler is not None or any(isinstance(getattr(d, "obj", d), torch.optim.lr_scheduler.LRScheduler)
+                                              for d in state.stateful.values()):  # held as a stateful object
             return
         several = state.optimizer if isinstance(state.optimizer, (list, tuple)) else [state.optimizer]
         if any("initial_lr" in group for opt in several for group in opt.param_groups):
@@ -801,10 +802,11 @@ def _saved_by_this_attempt(manifest: store.Manifest, launched_at: float) -> bool
     passed over "this attempt's", and handed it back). Without the id (a checkpoint from before it was recorded),
     by the save time."""
     group = manifest.extra.get("torchelastic_run_id")
-    if isinstance(group, str):
-        return group == os.environ.get(GROUP_ENV)
     saved = store.saved_time(manifest.created_at, manifest.extra)
-    return saved is not None and saved > launched_at
+    after = saved is not None and saved > launched_at
+    # Both, where the id is there: a rerun of a multi-node run may form the same group id again (its generation
+    # moves on only after a failed attempt; review 17), and the clocks alone can disagree.
+    return after and (not isinstance(group, str) or group == os.environ.get(GROUP_ENV))
 
 
 def _misuse_ends_in_config(beater: Beater) -> None:

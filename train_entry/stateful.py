@@ -106,6 +106,9 @@ class PerRank(_Declared):
 Declared = Replicated | Sharded | PerRank
 
 
+USER_BUGS = (LookupError, AttributeError, TypeError, ValueError, AssertionError, NotImplementedError)
+
+
 def pack(state: Any) -> bytes:
     """A state dict as bytes (torch.save: tensors, numbers, strings, nested containers). The same state packs to
     the same bytes on every rank: tensors go to the CPU first (torch.save writes each one's device, `cuda:1`), and
@@ -237,7 +240,8 @@ class StatefulSet:
         for name, decl in self.declared.items():
             try:
                 state = decl.obj.state_dict()
-            except Exception as e:  # audit 19: a traceback and exit 1, retried from the last checkpoint to it again
+            except USER_BUGS as e:  # audit 19: a traceback and exit 1, retried from the last checkpoint to it again
+                # (only a bug's kinds: an OOM, an OSError, a dead peer's error are retried as before; review 17)
                 raise StatefulError(f"{self.describe(name, decl)}: its state_dict() raised {type(e).__name__}: "
                                     f"{str(e).strip()[:200]}; every save calls it (the rank's log has the "
                                     "traceback)") from e

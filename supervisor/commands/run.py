@@ -18,7 +18,7 @@ import psutil
 from supervisor import lock, prewarm, slurm, state, targets
 from supervisor.config import NAME_RE, RDZV_CONF_KEYS, JobConfig, load_job
 from supervisor.console import EventConsole
-from supervisor.errors import ConfigError, ExitCode, ResilientError, UsageError
+from supervisor.errors import ConfigError, ResilientError, UsageError
 from supervisor.fsutil import NO_ROOM, how_to_make_writable, node_local_locks, read_json, write_problem
 from supervisor.layout import (
     HEARTBEATS_DIR,
@@ -31,7 +31,6 @@ from supervisor.layout import (
     inside,
     looks_like_run_dir,
     node_dirs,
-    state_files,
 )
 from supervisor.lock import OWNERS_DIR, RootClaim, RunLock
 from supervisor.protocol import rank_process
@@ -125,8 +124,10 @@ def check_same_job(cfg: JobConfig, layout: RunLayout) -> None:
 
 # What every node of a run must run alike: ranks of nodes that differ in one wait for each other in different
 # collectives (audit 18: another checkpoint interval on one node, a crash loop of hangs with no word of the cause).
+# (Not rdzv.endpoint nor checkpoint.local_dir's path: one host may be spelled by name on one node, by address on
+# another, and a node's local tier may be given per node; whether there is a local tier must agree.)
 SAME_ON_EVERY_NODE = (("entrypoint", "module"), ("entrypoint", "script"), ("entrypoint", "args"), ("nnodes",),
-                      ("rdzv", "endpoint"), ("rdzv", "id"), ("checkpoint", "dir"), ("checkpoint", "interval_steps"),
+                      ("rdzv", "id"), ("checkpoint", "dir"), ("checkpoint", "interval_steps"),
                       ("checkpoint", "async_save"), ("checkpoint", "local_dir"))
 
 
@@ -135,8 +136,14 @@ def check_same_job_as_live_nodes(cfg: JobConfig, layout: RunLayout) -> None:
     key. The run's job record is the one the last node to start wrote; it stands for the live nodes'."""
     if layout.node is None:
         return
-    live = sorted(d.name for d in node_dirs(layout.run_dir) if d != layout.node_dir and lock.holder(d) is not None)
-    if not live:
+    holders = {d.name: h for d in node_dirs(layout.run_dir) if d != layout.node_dir and (h := lock.holder(d))}
+    live = sorted(holders)
+    try:  # written by a live node only once it holds its lock: an older record is a past job's (review 17: nodes
+        written = layout.job_file.stat().st_mtime  # started together with a changed job refused each other)
+    except OSError:
+        return
+    # (a second's slack: a file's time comes from the kernel's coarser clock, which may lag time.time())
+    if not live or all(written < float(h.get("since") or 0) - 1.0 for h in holders.values()):
         return
     differs = _differing_key(cfg, layout)
     if differs is not None:
@@ -161,33 +168,11 @@ def _differing_key(cfg: JobConfig, layout: RunLayout) -> tuple[str, Any, Any] | 
             there = there.get(part) if isinstance(there, dict) else None
         if key == ("entrypoint", "script") and here and there:  # each node's checkout may lie elsewhere
             here, there = Path(here).name, Path(there).name
+        if key == ("checkpoint", "local_dir"):  # a tier or none, not its path
+            here, there = here is not None, there is not None
         if here != there:
             return ".".join(key), here, there
     return None
-
-
-def already_finished(cfg: JobConfig, layout: RunLayout) -> str | None:
-    """Several nodes: every node of the run finished with this very job, and none runs. A node started again alone
-    (an operator re-running one host, a retried Slurm step) waited in the rendezvous for nodes that never came,
-    until join_timeout, then failed and turned the finished run's state to failed (audit 18). What to say instead,
-    or None to go on (a changed job, more --steps, trains on; one node's own rerun does on a single node)."""
-    if cfg.nnodes == "1" or layout.node is None:
-        return None
-    nodes = state.read_nodes(state_files(layout.run_dir))
-    others_alive = [n.alive and n.node_dir != layout.node_dir for n in nodes]  # this node's lock is ours now
-    if not nodes or any(n.record is None for n in nodes) or any(others_alive):
-        return None
-    records = [(n.record, False) for n in nodes if n.record is not None]
-    current = [rec for (rec, _), gone in zip(records, state.retired(records), strict=True) if not gone]
-    if len(current) < cfg.nnodes_range[0] or any(rec.state is not state.RunState.SUCCEEDED for rec in current):
-        return None  # (fewer nodes than the job's minimum never finished it: a node of it yet to start)
-    if _differing_key(cfg, layout) is not None:
-        return None
-    step = max((rec.step or 0 for rec in current), default=0)
-    names = ", ".join(sorted(rec.node or "?" for rec in current))
-    return (f"the run already finished at step {step} on node(s) {names} with this job: nothing was launched (alone, "
-            "this node would wait in the rendezvous for nodes that are done); change the job (more --steps) to train "
-            "on")
 
 
 # What a user keeps beside a run (the job file, notes), besides layout.RUN_DIR_NAMES: anything else means the folder
@@ -404,9 +389,6 @@ def _run(job: str, overrides: list[str], node: str | None) -> int:
         too_long = slurm.stop_outlasts_kill_wait(cfg.stop_timeout_s, slurm.kill_wait_s())
         if too_long:
             console.event(too_long, style="yellow")
-        if (done := already_finished(cfg, layout)) is not None:
-            console.event(done, style="green")
-            return ExitCode.OK
         reap_orphans(layout, cfg, console)
         sup = Supervisor(cfg, layout, console=console, launcher=make_launcher(),
                          keep_claims=lambda: [claim.reassert() for claim in claims],
